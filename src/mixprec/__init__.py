@@ -1,0 +1,3 @@
+"""mixprec: mixed-precision training for PyTorch."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,169 @@
+"""Shared checks for labelled data: the ``DataError`` type and array validation.
+
+Every loader funnels its arrays through :func:`check_arrays`, so a file from disk
+and an array built in memory are held to the same rules and fail with the same
+one-line messages.
+
+>>> import numpy as np
+>>> x, y = check_arrays(np.zeros((3, 4)), np.array([0, 2, 1]), source="demo")
+>>> x.dtype, y.dtype, y.tolist()
+(torch.float32, torch.int64, [0, 2, 1])
+>>> check_arrays(np.zeros((2, 4)), np.array([0, -1]), source="demo")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+mixprec.data.DataError: demo: labels must be >= 0, got -1 (at sample 1); ...
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["DataError", "DataFileNotFoundError", "check_arrays", "infer_num_classes"]
+
+
+class DataError(ValueError):
+    """Raised when a data set is missing, malformed or has invalid labels.
+
+    It is a ``ValueError``, so generic handlers still work, and a single class the
+    command line can catch to print one line instead of a traceback.
+
+    >>> issubclass(DataError, ValueError)
+    True
+    """
+
+
+# Shown in tracebacks as ``mixprec.data.DataError``: the public home of the class.
+DataError.__module__ = "mixprec.data"
+
+
+class DataFileNotFoundError(DataError, FileNotFoundError):
+    """Raised when a data file does not exist; also a ``FileNotFoundError``.
+
+    >>> issubclass(DataFileNotFoundError, FileNotFoundError)
+    True
+    """
+
+
+DataFileNotFoundError.__module__ = "mixprec.data"
+
+
+def _labels_from_onehot(y: np.ndarray, source: str) -> np.ndarray:
+    # One-hot rows (the form MindSpore's SoftmaxCrossEntropyWithLogits examples use)
+    # are accepted only when every row has exactly one 1 and zeros elsewhere, so a
+    # matrix of probabilities or garbage is never silently argmax-ed into labels.
+    is_binary = np.isin(y, (0, 1)).all()
+    rows_ok = is_binary and bool((y.sum(axis=1) == 1).all())
+    if not rows_ok:
+        raise DataError(
+            f"{source}: 2-D labels y of shape {tuple(y.shape)} must be one-hot (each row "
+            "exactly one 1, zeros elsewhere); pass class indices of shape (N,) instead"
+        )
+    return y.argmax(axis=1)
+
+
+def check_arrays(
+    x: np.ndarray | torch.Tensor,
+    y: np.ndarray | torch.Tensor,
+    *,
+    source: str = "data",
+    num_classes: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate features and labels and return them as float32 / int64 tensors.
+
+    ``x`` has shape ``(N, ...)`` with finite numbers; ``y`` holds ``N`` class indices
+    (integers, or floats with integral values) or ``N`` one-hot rows. Labels must be
+    ``>= 0`` and, when ``num_classes`` is given, ``< num_classes``. Raises
+    :class:`DataError` naming ``source`` otherwise.
+
+    >>> x, y = check_arrays([[1.0], [2.0]], np.array([[0, 1], [1, 0]]), num_classes=2)
+    >>> y.tolist()
+    [1, 0]
+    """
+    x_np = np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x)
+    y_np = np.asarray(y.detach().cpu() if isinstance(y, torch.Tensor) else y)
+    if x_np.dtype.kind not in "biuf":
+        raise DataError(
+            f"{source}: features x must be numeric, got dtype {x_np.dtype}; "
+            "convert them to numbers before loading"
+        )
+    if x_np.ndim < 2:
+        raise DataError(
+            f"{source}: features x must have shape (N, features...), got shape "
+            f"{tuple(x_np.shape)}; add a feature axis, e.g. x.reshape(-1, 1)"
+        )
+    if x_np.shape[0] == 0:
+        raise DataError(f"{source}: the data set is empty (0 samples); it needs at least one")
+    if x_np.dtype.kind == "f" and not np.isfinite(x_np).all():
+        bad = int(np.argwhere(~np.isfinite(x_np))[0][0])
+        raise DataError(
+            f"{source}: features x contain NaN or infinity (first at sample {bad}); "
+            "remove or impute those values"
+        )
+    if y_np.dtype.kind not in "biuf":
+        raise DataError(
+            f"{source}: labels y must be integer class indices, got dtype {y_np.dtype}; "
+            "map class names to 0..C-1 first"
+        )
+    if y_np.ndim == 2 and y_np.shape[1] > 1:
+        y_np = _labels_from_onehot(y_np, source)
+    elif y_np.ndim == 2 and y_np.shape[1] == 1:
+        y_np = y_np[:, 0]
+    if y_np.ndim != 1:
+        raise DataError(
+            f"{source}: labels y must have shape (N,) or one-hot (N, C), got shape "
+            f"{tuple(y_np.shape)}"
+        )
+    if y_np.shape[0] != x_np.shape[0]:
+        raise DataError(
+            f"{source}: x has {x_np.shape[0]} samples but y has {y_np.shape[0]} labels; "
+            "they must have the same length"
+        )
+    if y_np.dtype.kind == "f":
+        not_int = ~np.isfinite(y_np) | (y_np != np.round(y_np))
+        if not_int.any():
+            i = int(np.argmax(not_int))
+            raise DataError(
+                f"{source}: labels must be whole numbers, got {y_np[i]!r} (at sample {i}); "
+                "use class indices 0..C-1"
+            )
+    if (y_np < 0).any():
+        i = int(np.argmax(y_np < 0))
+        raise DataError(
+            f"{source}: labels must be >= 0, got {y_np[i]:g} (at sample {i}); "
+            "use class indices 0..C-1"
+        )
+    if num_classes is not None and (y_np >= num_classes).any():
+        i = int(np.argmax(y_np >= num_classes))
+        raise DataError(
+            f"{source}: label {y_np[i]:g} (at sample {i}) is out of range for "
+            f"num_classes={num_classes}; labels must be in 0..{num_classes - 1}"
+        )
+    x_t = torch.from_numpy(np.ascontiguousarray(x_np, dtype=np.float32))
+    y_t = torch.from_numpy(np.ascontiguousarray(y_np).astype(np.int64))
+    return x_t, y_t
+
+
+def infer_num_classes(y: torch.Tensor | np.ndarray) -> int:
+    """Return the number of classes implied by labels: ``max(y) + 1``.
+
+    Class indices are assumed to run from 0, so a class that never occurs below the
+    largest label still counts. One-hot labels ``(N, C)`` give ``C``.
+
+    >>> infer_num_classes(torch.tensor([0, 3, 1]))
+    4
+    >>> infer_num_classes(torch.eye(5))
+    5
+    """
+    y_np = np.asarray(y.detach().cpu() if isinstance(y, torch.Tensor) else y)
+    if y_np.ndim == 2 and y_np.shape[1] > 1:
+        return int(y_np.shape[1])
+    if y_np.size == 0:
+        raise DataError("cannot infer the number of classes from an empty label array")
+    top = y_np.max()
+    if y_np.min() < 0 or top != np.round(top):
+        raise DataError(
+            f"labels must be non-negative whole numbers to infer the number of classes; "
+            f"got values in [{y_np.min():g}, {top:g}]"
+        )
+    return int(top) + 1

@@ -1,0 +1,113 @@
+"""Fused numerical kernels on lists of tensors: unscale + finite check, norms, statistics.
+
+Everything here works on lists of tensors at once, grouped by (device, dtype), so
+that a model with hundreds of parameters costs a handful of kernel launches, and
+nothing here reads a value back to the host (no ``.item()``): results stay tensors
+on the device.
+
+>>> import torch
+>>> grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])]
+>>> found_inf = unscale_and_check_(grads, inv_scale=torch.tensor(0.5))
+>>> found_inf
+tensor(1.)
+>>> grads[0]
+tensor([1., 2.])
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+__all__ = [
+    "group_by_device_and_dtype",
+    "unscale_and_check_",
+    "global_norm",
+    "underflow_fraction",
+]
+
+
+def group_by_device_and_dtype(
+    tensors: Iterable[torch.Tensor | None],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Group tensors by (device, dtype), dropping ``None`` entries.
+
+    Sparse tensors are represented by their (coalesced) values, which is what a
+    finite check or an in-place unscale has to touch.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for t in tensors:
+        if t is None:
+            continue
+        if t.is_sparse:
+            # Duplicate indices would be summed later; check the summed values.
+            t = t.coalesce()._values()
+        groups[(t.device, t.dtype)].append(t)
+    return groups
+
+
+def unscale_and_check_(
+    tensors: Iterable[torch.Tensor | None],
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Multiply ``tensors`` in place by ``inv_scale`` and flag any non-finite value.
+
+    Uses PyTorch's fused ``_amp_foreach_non_finite_check_and_unscale_`` kernel once
+    per (device, dtype) group; float16 and bfloat16 tensors are allowed. Returns a
+    float32 scalar tensor on ``inv_scale``'s device: 1.0 if any element was inf or
+    NaN, else 0.0 (``found_inf`` is accumulated into, if given). No host sync.
+    """
+    if found_inf is None:
+        found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
+    inv_scale = inv_scale.to(torch.float32)
+    for (device, _), group in group_by_device_and_dtype(tensors).items():
+        if device == found_inf.device:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
+        else:
+            # The kernel wants its flag and scale on the tensors' device.
+            local_inf = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                group, local_inf, inv_scale.to(device, non_blocking=True)
+            )
+            found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
+    # Several groups may each have set the flag to 1: keep it a 0/1 flag.
+    return found_inf.clamp_(max=1.0)
+
+
+def global_norm(tensors: Iterable[torch.Tensor | None], device: torch.device | None = None) -> torch.Tensor:
+    """The L2 norm of all ``tensors`` taken together, as a float32 scalar tensor.
+
+    One ``torch._foreach_norm`` per (device, dtype) group, computed in float32 so
+    that float16 tensors cannot overflow it. No host sync.
+    """
+    partial: list[torch.Tensor] = []
+    for (group_device, _), group in group_by_device_and_dtype(tensors).items():
+        # Norms come out in float32, so a float16 gradient with norm > 65504 stays finite.
+        norms = torch._foreach_norm(group, 2.0, dtype=torch.float32)
+        part = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        partial.append(part if device is None else part.to(device, non_blocking=True))
+    if not partial:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    target = partial[0].device if device is None else device
+    return torch.linalg.vector_norm(torch.stack([p.to(target) for p in partial]), 2.0)
+
+
+def underflow_fraction(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """Fraction of elements that are exactly zero, over all ``tensors`` (float32 scalar).
+
+    A health number for low-precision gradients: a fraction that jumps when the
+    loss scale drops means small gradients are flushing to zero.
+    """
+    zeros = None
+    total = 0
+    for group in group_by_device_and_dtype(tensors).values():
+        for t in group:
+            count = (t == 0).sum(dtype=torch.float32)
+            zeros = count if zeros is None else zeros + count.to(zeros.device)
+            total += t.numel()
+    if zeros is None or total == 0:
+        return torch.zeros((), dtype=torch.float32)
+    return zeros / total

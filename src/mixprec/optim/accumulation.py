@@ -1,0 +1,90 @@
+"""Gradient accumulation over micro-batches, with overflow tracking across the window.
+
+Each micro-batch's gradients arrive already unscaled; they are summed into
+float32 buffers together with an "any micro-batch overflowed" flag. At the end of
+the window the average is handed out and everything is reset, so nothing of a
+window (not even a NaN) leaks into the next one.
+
+>>> import torch
+>>> acc = GradientAccumulator(steps=2)
+>>> params = [torch.zeros(2)]
+>>> acc.add([torch.tensor([1.0, 3.0])], found_inf=torch.tensor(0.0))
+False
+>>> acc.add([torch.tensor([3.0, 5.0])], found_inf=torch.tensor(0.0))
+True
+>>> grads, found_inf = acc.pop_average()
+>>> grads[0], found_inf
+(tensor([2., 4.]), tensor(0.))
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+__all__ = ["GradientAccumulator", "check_accumulation_steps"]
+
+
+def check_accumulation_steps(steps: Any) -> int | None:
+    """Validate ``gradient_accumulation_steps`` (``None`` or an integer >= 1)."""
+    if steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+        raise TypeError(
+            f"gradient_accumulation_steps must be a positive integer or None, got {steps!r}"
+        )
+    if steps < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps must be a positive integer or None, got {steps!r}; "
+            "use 1 (or None) for no accumulation"
+        )
+    return int(steps)
+
+
+class GradientAccumulator:
+    """Float32 running sums of gradients over ``steps`` micro-batches."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.micro_step = 0
+        self.sums: list[torch.Tensor | None] = []
+        self.found_inf: torch.Tensor | None = None
+
+    def add(self, grads: list[torch.Tensor | None], found_inf: torch.Tensor) -> bool:
+        """Add one micro-batch's unscaled gradients; return True when the window is full."""
+        if not self.sums:
+            self.sums = [None] * len(grads)
+        with torch.no_grad():
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                if self.sums[i] is None:
+                    self.sums[i] = g.detach().float().clone()
+                else:
+                    self.sums[i].add_(g)
+            flag = found_inf.detach().clone() if self.found_inf is None else self.found_inf
+            self.found_inf = torch.maximum(flag, found_inf) if self.found_inf is not None else flag
+        self.micro_step += 1
+        return self.micro_step >= self.steps
+
+    def pop_average(self) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+        """Return (average gradients, window found_inf) and start a new window."""
+        with torch.no_grad():
+            averages = [None if s is None else s.div_(self.steps) for s in self.sums]
+        found_inf = self.found_inf
+        self.sums, self.found_inf, self.micro_step = [], None, 0
+        return averages, found_inf
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "micro_step": self.micro_step,
+            "sums": [None if s is None else s.clone() for s in self.sums],
+            "found_inf": None if self.found_inf is None else self.found_inf.clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_step = int(state["micro_step"])
+        self.sums = [None if s is None else s.clone() for s in state["sums"]]
+        self.found_inf = None if state["found_inf"] is None else state["found_inf"].clone()
