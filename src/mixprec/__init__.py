@@ -1,3 +1,93 @@
-"""mixprec: mixed-precision training for PyTorch."""
+"""mixprec: mixed-precision training for PyTorch.
+
+Loss scaling without host syncs, a loss-scale optimizer that wraps any optimizer,
+fp32 master weights, precision policies and amp levels O0-O3, a graph rewrite
+with op lists, and a ``Model.train`` front end. See the README for a tour.
+"""
+
+from mixprec import amp, rewrite  # noqa: F401  (sub-packages users reach by name)
+from mixprec.callbacks import (
+    Callback,
+    CallbackList,
+    CSVLogger,
+    EarlyStopping,
+    History,
+    LossMonitor,
+    LossScaleMonitor,
+    ModelCheckpoint,
+    ProgressBar,
+    RunState,
+)
+from mixprec.data import (
+    DataError,
+    DataFileNotFoundError,
+    load_csv,
+    load_digits,
+    load_npz,
+    make_loaders,
+    train_test_loaders,
+)
+from mixprec.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    loss_scale_from_spec,
+)
+from mixprec.managers import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
+from mixprec.metrics import Accuracy, Loss, Metric, TopKAccuracy, build_metric
+from mixprec.models import MLP, MODEL_NAMES, LeNet5, TransformerClassifier, build_model
+from mixprec.optim import LossScaleOptimizer, joint_step
+from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
+from mixprec.syncs import HostSyncCounter
+from mixprec.train import Model
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Accuracy",
+    "Callback",
+    "CallbackList",
+    "CSVLogger",
+    "DataError",
+    "DataFileNotFoundError",
+    "DynamicLossScale",
+    "DynamicLossScaleManager",
+    "EarlyStopping",
+    "FixedLossScaleManager",
+    "History",
+    "HostSyncCounter",
+    "LeNet5",
+    "Loss",
+    "LossMonitor",
+    "LossScale",
+    "LossScaleManager",
+    "LossScaleMonitor",
+    "LossScaleOptimizer",
+    "MLP",
+    "MODEL_NAMES",
+    "Metric",
+    "Model",
+    "ModelCheckpoint",
+    "NoOpLossScale",
+    "Policy",
+    "ProgressBar",
+    "RunState",
+    "StaticLossScale",
+    "TopKAccuracy",
+    "TransformerClassifier",
+    "amp",
+    "build_metric",
+    "build_model",
+    "global_policy",
+    "joint_step",
+    "load_csv",
+    "load_digits",
+    "load_npz",
+    "loss_scale_from_spec",
+    "make_loaders",
+    "policy_scope",
+    "rewrite",
+    "set_global_policy",
+    "train_test_loaders",
+]

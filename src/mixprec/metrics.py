@@ -269,6 +269,4 @@ def build_metric(name: str) -> Metric:
     match = _TOPK.fullmatch(key)
     if match:
         return TopKAccuracy(k=int(match.group(1)))
-    raise ValueError(
-        f"unknown metric name {name!r}; choose accuracy, loss or topK (e.g. top5)"
-    )
+    raise ValueError(f"unknown metric name {name!r}; choose accuracy, loss or topK (e.g. top5)")

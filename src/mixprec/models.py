@@ -248,9 +248,7 @@ def _build_mlp(num_classes: int, input_shape: tuple[int, ...], **kwargs: Any) ->
     return MLP(in_features=math.prod(input_shape), num_classes=num_classes, **kwargs)
 
 
-def _build_transformer(
-    num_classes: int, input_shape: tuple[int, ...], **kwargs: Any
-) -> nn.Module:
+def _build_transformer(num_classes: int, input_shape: tuple[int, ...], **kwargs: Any) -> nn.Module:
     if len(input_shape) == 1:
         side = math.isqrt(input_shape[0])
         # A square flat vector is read as image rows; any other length as one

@@ -57,7 +57,9 @@ def _check_fraction(test_fraction: float) -> float:
 
 def _check_seed(seed: int) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}; pass e.g. seed=0")
+        raise TypeError(
+            f"seed must be an int, got {type(seed).__name__} {seed!r}; pass e.g. seed=0"
+        )
     return seed
 
 

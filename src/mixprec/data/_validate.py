@@ -124,7 +124,7 @@ def check_arrays(
         if not_int.any():
             i = int(np.argmax(not_int))
             raise DataError(
-                f"{source}: labels must be whole numbers, got {y_np[i]!r} (at sample {i}); "
+                f"{source}: labels must be whole numbers, got {float(y_np[i]):g} (at sample {i}); "
                 "use class indices 0..C-1"
             )
     if (y_np < 0).any():

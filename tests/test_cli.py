@@ -1,0 +1,257 @@
+"""The mixprec command: the main job, its files and plots, resume, compare, and bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from matplotlib.image import imread
+
+from mixprec.cli import main
+from mixprec.plots import read_plot_data
+
+FAST = ["--quiet", "--threads", "1"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "mixprec", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_default_train_reaches_95_percent(tmp_path):
+    """`mixprec train` with defaults (only the output folder moved): LeNet-5, O2, dynamic scale."""
+    out = tmp_path / "run"
+    proc = run_cli("train", "--out", str(out), "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert "level O2" in proc.stdout and "test accuracy:" in proc.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    print(
+        f"default mixprec train: test accuracy {metrics['test_accuracy']:.4f} "
+        f"in {metrics['train_seconds']:.1f} s"
+    )
+    assert metrics["test_accuracy"] >= 0.95
+    assert metrics["config"]["level"] == "O2" and metrics["config"]["model"] == "lenet5"
+    assert metrics["steps"] == 15 * 45
+
+
+def test_outputs_and_plots_hold_the_data(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--epochs", "2", "--loss-scale", "65536", *FAST]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    hist = metrics["history"]
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+    assert float(rows[-1]["val_accuracy"]) == pytest.approx(hist["epochs"]["val_accuracy"][-1])
+    # Each plot is a real image, and carries exactly the data it plots.
+    for name in ("loss.png", "accuracy.png", "loss_scale.png"):
+        pixels = imread(out / name)
+        assert pixels.ndim == 3 and pixels.shape[0] > 100 and float(pixels.std()) > 0.01
+    assert read_plot_data(out / "loss.png")["losses"] == hist["loss"]
+    assert read_plot_data(out / "accuracy.png")["test"] == hist["epochs"]["val_accuracy"]
+    scale_data = read_plot_data(out / "loss_scale.png")
+    assert scale_data["scales"] == hist["loss_scale"] == [65536.0] * metrics["steps"]
+    assert scale_data["skipped_steps"] == [i + 1 for i, s in enumerate(hist["skipped"]) if s]
+
+
+def test_loss_scale_plot_marks_skipped_steps(tmp_path):
+    """float16 with a huge static scale overflows: every step is skipped and marked."""
+    out = tmp_path / "run"
+    assert (
+        main(
+            [
+                "train",
+                "--out",
+                str(out),
+                "--epochs",
+                "1",
+                "--level",
+                "O3",
+                "--dtype",
+                "float16",
+                "--loss-scale",
+                "1e30",
+                "--model",
+                "mlp",
+                "--batch-size",
+                "256",
+                *FAST,
+            ]
+        )
+        == 0
+    )
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["skipped_steps"] == metrics["steps"] > 0
+    assert read_plot_data(out / "loss_scale.png")["skipped_steps"] == list(
+        range(1, metrics["steps"] + 1)
+    )
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_gives_the_same_final_weights(tmp_path, monkeypatch):
+    common = ["--epochs", "4", "--model", "mlp", "--batch-size", "128", *FAST]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(["train", "--out", str(full), *common]) == 0
+
+    import mixprec.cli
+
+    class DiesAfterEpoch2(mixprec.cli.ModelCheckpoint):
+        def on_epoch_end(self, state):
+            super().on_epoch_end(state)
+            if state.epoch == 2:
+                raise Interrupted  # the machine went away after epoch 2's checkpoint
+
+    monkeypatch.setattr(mixprec.cli, "ModelCheckpoint", DiesAfterEpoch2)
+    with pytest.raises(Interrupted):
+        main(["train", "--out", str(part), *common])
+    monkeypatch.undo()
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [
+        "epoch0001.pt",
+        "epoch0002.pt",
+    ]
+    assert main(["train", "--out", str(part), "--resume", str(part), *FAST]) == 0
+    a = torch.load(full / "checkpoints" / "epoch0004.pt", weights_only=False)
+    b = torch.load(part / "checkpoints" / "epoch0004.pt", weights_only=False)
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    assert (
+        json.loads((full / "metrics.json").read_text())["test_accuracy"]
+        == json.loads((part / "metrics.json").read_text())["test_accuracy"]
+    )
+    with open(part / "metrics.csv") as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3, 4]
+    # Resuming with another length of schedule is refused.
+    assert main(["train", "--out", str(part), "--resume", str(part), "--epochs", "9"]) == 2
+
+
+def test_user_data_files(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(120, 6)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    np.savetxt(tmp_path / "d.csv", np.column_stack([x, y]), delimiter=",")
+    for name in ("d.npz", "d.csv"):
+        out = tmp_path / f"out_{name}"
+        assert (
+            main(
+                [
+                    "train",
+                    "--data",
+                    str(tmp_path / name),
+                    "--model",
+                    "mlp",
+                    "--epochs",
+                    "3",
+                    "--out",
+                    str(out),
+                    *FAST,
+                ]
+            )
+            == 0
+        )
+        assert json.loads((out / "metrics.json").read_text())["test_accuracy"] > 0.7
+
+
+def _bad_inputs(tmp_path):
+    np.savez(tmp_path / "noxy.npz", features=np.ones((4, 2)))
+    np.savez(tmp_path / "neg.npz", x=np.ones((4, 2)), y=np.array([0, 1, -1, 1]))
+    np.savez(tmp_path / "frac.npz", x=np.ones((4, 2)), y=np.array([0, 1.5, 1, 0]))
+    (tmp_path / "a_file").write_text("not a folder")
+    return [
+        (["--data", str(tmp_path / "missing.npz")], "missing.npz"),
+        (["--data", str(tmp_path / "noxy.npz")], "x"),
+        (["--data", str(tmp_path / "neg.npz")], "label"),
+        (["--data", str(tmp_path / "frac.npz")], "label"),
+        (["--level", "O7"], "--level"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--loss-scale", "lots"], "--loss-scale"),
+        (["--epochs", "0"], "--epochs"),
+        (["--out", str(tmp_path / "a_file")], "a_file"),
+        (["--resume", str(tmp_path / "nowhere")], "--resume"),
+    ]
+
+
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+    for extra, needle in _bad_inputs(tmp_path):
+        out = tmp_path / "out"
+        argv = ["train", *extra] if "--out" in extra else ["train", "--out", str(out), *extra]
+        assert main(argv) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("mixprec: error:") and needle in err[0], err
+        assert not out.exists(), extra
+
+
+def test_bad_input_through_the_real_entry_point(tmp_path):
+    proc = run_cli("train", "--out", str(tmp_path / "o"), "--data", str(tmp_path / "none.csv"))
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_lists_every_option(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for option in (
+        "--level",
+        "--dtype",
+        "--loss-scale",
+        "--model",
+        "--data",
+        "--epochs",
+        "--batch-size",
+        "--lr",
+        "--seed",
+        "--device",
+        "--out",
+        "--resume",
+        "--threads",
+    ):
+        assert option in text, option
+    for level in ("O0", "O1", "O2", "O3", "auto", "rewrite"):
+        assert level in text
+
+
+def test_compare_prints_one_table(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = main(
+        [
+            "compare",
+            "--levels",
+            "O0,O2",
+            "--epochs",
+            "1",
+            "--model",
+            "mlp",
+            "--out",
+            str(out),
+            *FAST,
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "config" in text and "peak MB" in text and "O2 bfloat16" in text
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["config"] for r in rows] == ["O0", "O2 bfloat16"]
+    assert all(r["accuracy"] > 0.5 and r["step_ms"] > 0 and r["peak_mb"] > 10 for r in rows)
+    assert [r["config"] for r in read_plot_data(out / "compare.png")["rows"]] == [
+        "O0",
+        "O2 bfloat16",
+    ]
+    assert main(["compare", "--levels", "O0,O9", "--out", str(tmp_path / "x")]) == 2
