@@ -5,7 +5,7 @@ fp32 master weights, precision policies and amp levels O0-O3, a graph rewrite
 with op lists, and a ``Model.train`` front end. See the README for a tour.
 """
 
-from mixprec import amp, rewrite  # noqa: F401  (sub-packages users reach by name)
+from mixprec import amp, compat, rewrite  # noqa: F401  (sub-packages users reach by name)
 from mixprec.callbacks import (
     Callback,
     CallbackList,
@@ -79,6 +79,7 @@ __all__ = [
     "amp",
     "build_metric",
     "build_model",
+    "compat",
     "global_policy",
     "joint_step",
     "load_csv",

@@ -64,7 +64,9 @@ def _positive_number(name: str, value: Any, *, allow_none: bool = False) -> None
 
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive integer, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{name} must be a positive integer, got {value!r} ({type(value).__name__})"
+        )
     if value < 1:
         raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}")
 
@@ -194,6 +196,11 @@ class LossScale:
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Advance the state machine by one step (no-op for fixed scales)."""
+        self.advance(found_inf)
+
+    def advance(self, found_inf: torch.Tensor) -> None:
+        """The transition itself. Optimizers call this, so that a subclass may give
+        ``update`` another signature (TensorFlow's ``update(grads)``) and still work."""
 
     def __repr__(self) -> str:
         config = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
@@ -309,7 +316,7 @@ class DynamicLossScale(LossScale):
     def _initial_state(self) -> dict[str, float]:
         return {"scale": float(self.initial_scale), "counter": 0, "inf_streak": 0}
 
-    def update(self, found_inf: torch.Tensor) -> None:
+    def advance(self, found_inf: torch.Tensor) -> None:
         """Apply the rule in the class docstring. Branch-free; no host sync."""
         found = found_inf.to(self.scale.device, non_blocking=True) > 0
         zero = torch.zeros_like(self.counter)

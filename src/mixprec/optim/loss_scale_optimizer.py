@@ -176,7 +176,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         scaler = _build_loss_scale(dynamic, initial_scale, dynamic_growth_steps, loss_scale)
         check_clip_options(clipnorm, clipvalue, global_clipnorm)
-        for name, value in (("weight_decay", weight_decay), ("loss_scale_factor", loss_scale_factor)):
+        for name, value in (
+            ("weight_decay", weight_decay),
+            ("loss_scale_factor", loss_scale_factor),
+        ):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0
             ):
@@ -208,14 +211,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
 
-        self.loss_scaler = scaler
-        self.clipnorm = clipnorm
-        self.clipvalue = clipvalue
-        self.global_clipnorm = global_clipnorm
-        self.decoupled_weight_decay = weight_decay
-        self.loss_scale_factor = loss_scale_factor
-        self.skip_nonfinite = skip_nonfinite
-        self.gradient_accumulation_steps = accumulation
+        # Straight into __dict__, not through __setattr__'s delegation: a name that is also
+        # an inner hyperparameter (Adam/AdamW have their own ``decoupled_weight_decay``) would
+        # otherwise be written into the inner optimizer's param groups.
+        d.update(
+            loss_scaler=scaler,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            decoupled_weight_decay=weight_decay,
+            loss_scale_factor=loss_scale_factor,
+            skip_nonfinite=skip_nonfinite,
+            gradient_accumulation_steps=accumulation,
+        )
         self._master = MasterWeights(inner_optimizer) if master_weights else None
         self._accumulator = GradientAccumulator(accumulation) if accumulation else None
         self._ema = (
@@ -332,7 +340,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
 
-    def get_unscaled_gradients(self, grads: Iterable[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def get_unscaled_gradients(
+        self, grads: Iterable[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
         """A new list with every gradient divided by the scale; ``None`` entries kept."""
         inv = self.loss_scaler.inv_scale(self._factor())
         return [None if g is None else g * inv.to(g.device, g.dtype) for g in grads]
@@ -427,7 +437,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if found_inf is None:  # inside an accumulation window: nothing changes yet
             return result
         self._apply(found_inf)
-        self.loss_scaler.update(found_inf)
+        self.loss_scaler.advance(found_inf)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -449,12 +459,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _own_params(self) -> list[torch.Tensor]:
         return self._master.model_params if self._master else self._stepped_params()
 
-    def apply_gradients(self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
+    def apply_gradients(
+        self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
+    ) -> None:
         """Apply already-unscaled gradients to their parameters (TF's ``apply_gradients``).
 
         Only the listed parameters are updated. The step is skipped if any gradient is
         non-finite, and the loss scale is updated either way.
         """
+        self._apply_pairs(grads_and_vars, scaled=False)
+
+    def _apply_pairs(
+        self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]], scaled: bool
+    ) -> None:
+        """Step with the given gradients: still scaled (``minimize``) or already unscaled."""
         pairs = list(grads_and_vars)
         own = self._own_params()
         own_ids = {id(p) for p in own}
@@ -478,16 +496,18 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         for g, p in pairs:
             p.grad = None if g is None else g.detach().to(p.dtype)
         try:
-            found_inf = self._prepare(unscaled=True)
+            found_inf = self._prepare(unscaled=not scaled)
             if found_inf is not None:
                 self._apply(found_inf)
-                self.loss_scaler.update(found_inf)
+                self.loss_scaler.advance(found_inf)
         finally:
             for p in own:
                 p.grad = saved[id(p)]
 
     def minimize(
-        self, loss: torch.Tensor | Callable[[], torch.Tensor], var_list: Iterable[torch.Tensor] | torch.Tensor
+        self,
+        loss: torch.Tensor | Callable[[], torch.Tensor],
+        var_list: Iterable[torch.Tensor] | torch.Tensor,
     ) -> torch.Tensor:
         """Scale, differentiate, unscale, apply and update in one call; returns the loss."""
         var_list = [var_list] if isinstance(var_list, torch.Tensor) else list(var_list)
@@ -496,8 +516,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"loss must be a tensor or return one, got {type(value).__name__}")
             scaled_grads = torch.autograd.grad(self.scale_loss(value), var_list, allow_unused=True)
-        grads = self.get_unscaled_gradients(scaled_grads)
-        self.apply_gradients(list(zip(grads, var_list)))
+        # Hand the scaled gradients to the step, which unscales them in float32 (into the
+        # masters under master weights); unscaling here, in the gradients' float16, would
+        # flush small gradients to zero before they reach the masters.
+        self._apply_pairs(list(zip(scaled_grads, var_list)), scaled=True)
         return value.detach()
 
     # -- EMA --------------------------------------------------------------------------
@@ -545,7 +567,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 f"the checkpoint's loss scale is a {kind}, this optimizer's is a "
                 f"{type(self.loss_scaler).__name__}; build the optimizer the same way"
             )
-        for name, part in (("master", self._master), ("ema", self._ema), ("accumulation", self._accumulator)):
+        for name, part in (
+            ("master", self._master),
+            ("ema", self._ema),
+            ("accumulation", self._accumulator),
+        ):
             if (state_dict[name] is None) != (part is None):
                 raise ValueError(
                     f"the checkpoint was saved {'without' if state_dict[name] is None else 'with'} "
@@ -585,5 +611,4 @@ def joint_step(*optimizers: LossScaleOptimizer) -> None:
     found_inf = torch.stack([f.to(flags[0].device) for f in flags]).amax()
     for o in optimizers:
         o._apply(found_inf)
-    optimizers[0].loss_scaler.update(found_inf)
-
+    optimizers[0].loss_scaler.advance(found_inf)

@@ -1,0 +1,96 @@
+"""Keras 3's mixed-precision names, over the mixprec core.
+
+>>> import torch
+>>> from mixprec.compat.keras import LossScaleOptimizer
+>>> w = torch.zeros(3, requires_grad=True)
+>>> opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.1), clipnorm=1.0, name="sgd_ls")
+>>> opt.scale_loss((w - 5).square().sum()).backward(); opt.step()
+>>> round(float(w.detach().norm()), 6)   # the unscaled gradient (norm 17.3) clipped to 1
+0.1
+>>> float(opt.dynamic_scale), opt.name
+(32768.0, 'sgd_ls')
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec.loss_scale import DynamicLossScale
+from mixprec.optim import LossScaleOptimizer as _CoreLossScaleOptimizer
+from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
+
+__all__ = [
+    "LossScaleOptimizer",
+    "Policy",
+    "set_global_policy",
+    "global_policy",
+    "policy_scope",
+    "BASE_OPTIMIZER_KWARGS",
+]
+
+#: The base-optimizer keyword arguments a Keras 3 optimizer takes (and this one accepts).
+BASE_OPTIMIZER_KWARGS = (
+    "name",
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "use_ema",
+    "ema_momentum",
+    "ema_overwrite_frequency",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+class LossScaleOptimizer(_CoreLossScaleOptimizer):
+    """``keras.optimizers.LossScaleOptimizer(inner_optimizer, initial_scale=32768.0,
+    dynamic_growth_steps=2000, **kwargs)``.
+
+    Keras 3's rule: on a non-finite gradient the scale is halved and the step skipped;
+    after ``dynamic_growth_steps`` finite steps it is doubled. Keras 3 sets no floor and
+    no ceiling, and neither does this. ``kwargs`` are the base-optimizer options
+    (:data:`BASE_OPTIMIZER_KWARGS`), all applied to unscaled gradients and only on
+    applied steps. ``dynamic_scale`` and ``step_counter`` are Keras's names for
+    ``loss_scale`` and ``dynamic_counter``.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: torch.optim.Optimizer,
+        initial_scale: float = 32768.0,
+        dynamic_growth_steps: int = 2000,
+        **kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(kwargs) - set(BASE_OPTIMIZER_KWARGS))
+        if unknown:
+            raise TypeError(
+                f"LossScaleOptimizer got unexpected keyword arguments {unknown}; "
+                f"accepted: {', '.join(BASE_OPTIMIZER_KWARGS)}"
+            )
+        name = kwargs.pop("name", None)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {name!r}")
+        try:
+            loss_scale = DynamicLossScale(
+                initial_scale=initial_scale,
+                growth_interval=dynamic_growth_steps,
+                min_scale=None,
+                max_scale=None,
+            )
+        except (TypeError, ValueError) as err:
+            raise type(err)(str(err).replace("growth_interval", "dynamic_growth_steps")) from None
+        super().__init__(inner_optimizer, loss_scale=loss_scale, **kwargs)
+        self.__dict__["name"] = name if name is not None else "loss_scale_optimizer"
+
+    @property
+    def dynamic_scale(self) -> torch.Tensor:
+        """The current loss scale (Keras's name)."""
+        return self.loss_scale
+
+    @property
+    def step_counter(self) -> torch.Tensor:
+        """Finite steps since the scale last changed (Keras's name)."""
+        return self.dynamic_counter
