@@ -1,0 +1,46 @@
+"""Mixed precision by graph rewrite: the model stays float32, chosen ops run in low precision.
+
+TensorFlow's ``enable_mixed_precision_graph_rewrite`` for PyTorch. The model is
+captured as a ``torch.fx`` graph (``torch.export``, else ``symbolic_trace``);
+each op is classified by four lists (Allow, Infer, Deny, Clear), the graph is
+painted with TensorFlow's algorithm, and casts are inserted only where painted
+and float32 ops meet: one per value and dtype, none where type promotion already
+reads a low-precision input in float32. Parameters stay float32 master weights,
+cast inside the graph.
+
+Modules, one concept each: ``defaults`` (the default op lists and their reasons),
+``lists`` (op naming, ``AmpLists``, levels, environment overrides), ``nodes``
+(reading graph nodes), ``capture`` (torch.export / symbolic_trace), ``modes``
+(train/eval in the graph), ``paint`` (the painting algorithm), ``plan`` (where
+casts go), ``casts`` (inserting and simplifying them), ``explain`` (reports, cast
+counting), ``api`` (entry points).
+
+>>> import torch
+>>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> gm = rewrite(net, torch.randn(4, 8), dtype=torch.bfloat16)
+>>> print(explain(gm).summary)
+converted 3/3 ops to bfloat16 using 4 casts
+"""
+
+from mixprec.rewrite.api import enable_mixed_precision_graph_rewrite, rewrite
+from mixprec.rewrite.capture import CaptureError
+from mixprec.rewrite.explain import CastCounter, ReportRow, RewriteReport, count_casts, explain
+from mixprec.rewrite.lists import ALLOW, CLEAR, DENY, INFER, LEVELS, AmpLists, normalize_op_name
+
+__all__ = [
+    "ALLOW",
+    "CLEAR",
+    "DENY",
+    "INFER",
+    "LEVELS",
+    "AmpLists",
+    "CaptureError",
+    "CastCounter",
+    "ReportRow",
+    "RewriteReport",
+    "count_casts",
+    "enable_mixed_precision_graph_rewrite",
+    "explain",
+    "normalize_op_name",
+    "rewrite",
+]
