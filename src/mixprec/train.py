@@ -227,10 +227,14 @@ class Model:
         opt = self.optimizer
         out = self.network(x)
         loss = self.loss_fn(out.float(), y)
-        opt.scale_loss(loss).backward()
+        self.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach(), out.detach()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """The scaled backward pass (a subclass may scale differently)."""
+        self.optimizer.scale_loss(loss).backward()
 
     # -- the loops ---------------------------------------------------------------------
 

@@ -201,14 +201,13 @@ class Model(_CoreModel):
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
         if self._cell is not None:
             return self._cell(x, y), None
+        return super().train_step(x, y)
+
+    def backward(self, loss: torch.Tensor) -> None:
         if self._sens is None:
-            return super().train_step(x, y)
-        out = self.network(x)
-        loss = self.loss_fn(out.float(), y)
-        (loss * self._sens).backward()  # the optimizer divides by its own loss_scale
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach(), out.detach()
+            super().backward(loss)
+        else:
+            (loss * self._sens).backward()  # the optimizer divides by its own loss_scale
 
     def train(  # type: ignore[override]
         self,
