@@ -18,15 +18,25 @@ from mixprec.loss_scale import (
 )
 from mixprec.syncs import HostSyncCounter
 
-ALL_KINDS = [NoOpLossScale(), StaticLossScale(512.0), DynamicLossScale(hysteresis=2, min_scale=None)]
+ALL_KINDS = [
+    NoOpLossScale(),
+    StaticLossScale(512.0),
+    DynamicLossScale(hysteresis=2, min_scale=None),
+]
 
 
-def gradscaler_scales(pattern: list[bool], init: float, interval: int, growth: float, backoff: float):
+def gradscaler_scales(
+    pattern: list[bool], init: float, interval: int, growth: float, backoff: float
+):
     """The scale after each step of torch.amp.GradScaler, on a given overflow pattern."""
     p = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([p], lr=0.0)
     scaler = torch.amp.GradScaler(
-        "cpu", init_scale=init, growth_factor=growth, backoff_factor=backoff, growth_interval=interval
+        "cpu",
+        init_scale=init,
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=interval,
     )
     scales = []
     for overflow in pattern:
@@ -50,7 +60,9 @@ def mixprec_scales(ls: LossScale, pattern: list[bool]) -> list[float]:
 
 def test_matches_gradscaler_on_a_fixed_pattern():
     pattern = [True, False, False, False, True, True] + [False] * 7 + [True, False, False]
-    ours = DynamicLossScale(initial_scale=2.0**16, growth_interval=3, min_scale=None, max_scale=None)
+    ours = DynamicLossScale(
+        initial_scale=2.0**16, growth_interval=3, min_scale=None, max_scale=None
+    )
     expected = gradscaler_scales(pattern, 2.0**16, 3, 2.0, 0.5)
     assert mixprec_scales(ours, pattern) == expected
     # The pattern exercises growth and backoff both.
@@ -202,7 +214,9 @@ def test_load_state_dict_rejects_foreign_state_and_changes_nothing():
     with pytest.raises(ValueError, match="expects keys"):
         ls.load_state_dict(StaticLossScale(8.0).state_dict())
     with pytest.raises(ValueError, match="one-element"):
-        ls.load_state_dict({"scale": torch.ones(2), "counter": torch.tensor(0), "inf_streak": torch.tensor(0)})
+        ls.load_state_dict(
+            {"scale": torch.ones(2), "counter": torch.tensor(0), "inf_streak": torch.tensor(0)}
+        )
     assert all(torch.equal(before[k], v) for k, v in ls.state_dict().items())
     with pytest.raises(ValueError, match="does not take"):
         DynamicLossScale.from_config({"initial_scale": 2.0, "bogus": 1})

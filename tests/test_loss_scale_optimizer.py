@@ -36,7 +36,9 @@ def assert_same(a, b):
     assert all(torch.equal(x, y) for x, y in zip(params_a, params_b))
     for key, sa in state_a["state"].items():
         for name, va in sa.items():
-            assert torch.equal(torch.as_tensor(va), torch.as_tensor(state_b["state"][key][name])), name
+            assert torch.equal(torch.as_tensor(va), torch.as_tensor(state_b["state"][key][name])), (
+                name
+            )
 
 
 # -- the seed's examples --------------------------------------------------------------
@@ -89,7 +91,11 @@ def test_attributes_follow_the_seed():
     "kwargs, error, match",
     [
         ({"dynamic": False}, ValueError, "initial_scale"),
-        ({"dynamic": False, "initial_scale": 8.0, "dynamic_growth_steps": 10}, ValueError, "dynamic_growth_steps"),
+        (
+            {"dynamic": False, "initial_scale": 8.0, "dynamic_growth_steps": 10},
+            ValueError,
+            "dynamic_growth_steps",
+        ),
         ({"initial_scale": -1.0}, ValueError, "initial_scale"),
         ({"initial_scale": 0}, ValueError, "initial_scale"),
         ({"dynamic_growth_steps": 1.5}, TypeError, "growth_interval"),
@@ -220,7 +226,10 @@ def test_host_syncs_per_step(name, factory, added):
 # -- checkpoints ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("loss_scale", [DynamicLossScale(initial_scale=2.0**10, growth_interval=2), StaticLossScale(64.0)])
+@pytest.mark.parametrize(
+    "loss_scale",
+    [DynamicLossScale(initial_scale=2.0**10, growth_interval=2), StaticLossScale(64.0)],
+)
 def test_state_dict_resume_is_bit_exact(loss_scale):
     def run(steps, model, opt, start=0):
         for i in range(start, start + steps):
@@ -278,9 +287,7 @@ def test_lr_scheduler_and_clip_grad_norm_work_on_the_wrapper():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x, y = batch()
     opt.scale_loss(F.mse_loss(model(x), y)).backward()
-    torch.nn.utils.clip_grad_norm_(
-        [p for g in opt.param_groups for p in g["params"]], max_norm=1e9
-    )
+    torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], max_norm=1e9)
     opt.step()
     sched.step()
     assert opt.lr == 0.5 and opt.inner_optimizer.param_groups[0]["lr"] == 0.5
@@ -318,7 +325,9 @@ def test_trajectory_matches_gradscaler():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
     opt = LossScaleOptimizer(
         inners[1],
-        loss_scale=DynamicLossScale(initial_scale=2.0**16, growth_interval=3, min_scale=None, max_scale=None),
+        loss_scale=DynamicLossScale(
+            initial_scale=2.0**16, growth_interval=3, min_scale=None, max_scale=None
+        ),
     )
     for i in range(12):
         x, y = batch(seed=i)
@@ -387,11 +396,14 @@ def train(model, opt_factory, steps=150):
 def test_float16_underflow_is_rescued_by_dynamic_loss_scaling():
     adam = lambda p: torch.optim.Adam(p, lr=1e-2)  # noqa: E731
     fp32_model = HalfMLP().float()
-    fp32_model.forward = lambda x: torch.nn.Sequential(fp32_model.fc1, torch.nn.Tanh(), fp32_model.fc2)(x)
+    fp32_model.forward = lambda x: torch.nn.Sequential(
+        fp32_model.fc1, torch.nn.Tanh(), fp32_model.fc2
+    )(x)
     fp32_loss, _ = train(fp32_model, adam)
     fp16_loss, fp16_zeros = train(HalfMLP(), adam)
     scaled_loss, scaled_zeros = train(
-        HalfMLP(), lambda p: LossScaleOptimizer(torch.optim.Adam(p, lr=1e-2), dynamic_growth_steps=50)
+        HalfMLP(),
+        lambda p: LossScaleOptimizer(torch.optim.Adam(p, lr=1e-2), dynamic_growth_steps=50),
     )
     initial_loss, _ = train(HalfMLP(), adam, steps=0)
     print(

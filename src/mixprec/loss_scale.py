@@ -178,21 +178,32 @@ class LossScale:
         scale = self.scale if extra_factor == 1.0 else self.scale * extra_factor
         return loss * scale
 
-    def inv_scale(self, extra_factor: float = 1.0) -> torch.Tensor:
-        """``1 / (scale * extra_factor)`` as float32, computed in float64 like GradScaler."""
-        return (self.scale.double() * extra_factor).reciprocal().float()
+    def inv_scale(
+        self, extra_factor: float = 1.0, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``1 / (scale * extra_factor)`` as float32, computed in float64 like GradScaler.
+
+        ``scale`` defaults to the current one; pass the scale a loss was multiplied by
+        if the state may have moved since (a loss scale shared by several optimizers).
+        """
+        scale = self.scale if scale is None else scale
+        return (scale.double() * extra_factor).reciprocal().float()
 
     def unscale_(
-        self, grads: Iterable[torch.Tensor | None], extra_factor: float = 1.0
+        self,
+        grads: Iterable[torch.Tensor | None],
+        extra_factor: float = 1.0,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Divide ``grads`` in place by the scale; return ``found_inf`` (1.0 if any inf/NaN).
 
         ``None`` entries are skipped. One fused kernel per (device, dtype). No host sync.
+        ``scale`` as in :meth:`inv_scale`.
         """
         grads = [g for g in grads if g is not None]
         if grads:
             self._follow(grads[0].device)
-        return unscale_and_check_(grads, self.inv_scale(extra_factor))
+        return unscale_and_check_(grads, self.inv_scale(extra_factor, scale))
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Advance the state machine by one step (no-op for fixed scales)."""

@@ -77,14 +77,16 @@ def unscale_and_check_(
     return found_inf.clamp_(max=1.0)
 
 
-def global_norm(tensors: Iterable[torch.Tensor | None], device: torch.device | None = None) -> torch.Tensor:
+def global_norm(
+    tensors: Iterable[torch.Tensor | None], device: torch.device | None = None
+) -> torch.Tensor:
     """The L2 norm of all ``tensors`` taken together, as a float32 scalar tensor.
 
     One ``torch._foreach_norm`` per (device, dtype) group, computed in float32 so
     that float16 tensors cannot overflow it. No host sync.
     """
     partial: list[torch.Tensor] = []
-    for (group_device, _), group in group_by_device_and_dtype(tensors).items():
+    for group in group_by_device_and_dtype(tensors).values():
         # Norms come out in float32, so a float16 gradient with norm > 65504 stays finite.
         norms = torch._foreach_norm(group, 2.0, dtype=torch.float32)
         part = torch.linalg.vector_norm(torch.stack(norms), 2.0)

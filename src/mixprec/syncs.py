@@ -52,7 +52,9 @@ class HostSyncCounter(TorchDispatchMode):
         self.count = 0
         self.events: list[str] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _SCALAR_READS or _device_to_host(func, args, kwargs):
             self.count += 1

@@ -35,7 +35,10 @@ class ParameterEMA:
     """Moving averages of a list of parameters (float32 copies)."""
 
     def __init__(
-        self, params: list[torch.Tensor], momentum: float = 0.99, overwrite_frequency: int | None = None
+        self,
+        params: list[torch.Tensor],
+        momentum: float = 0.99,
+        overwrite_frequency: int | None = None,
     ) -> None:
         if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
             raise TypeError(f"ema_momentum must be a number in [0, 1], got {momentum!r}")
@@ -54,7 +57,9 @@ class ParameterEMA:
         self.overwrite_frequency = overwrite_frequency
         self.averages = [p.detach().float().clone() for p in params]
 
-    def update(self, params: list[torch.Tensor], applied: torch.Tensor, iterations: torch.Tensor) -> None:
+    def update(
+        self, params: list[torch.Tensor], applied: torch.Tensor, iterations: torch.Tensor
+    ) -> None:
         """Fold ``params`` into the averages if ``applied`` (a 0/1 tensor) is 1.
 
         ``iterations`` is the number of applied steps before this one: at 0 the
@@ -89,6 +94,8 @@ class ParameterEMA:
         if len(averages) != len(self.averages) or any(
             a.shape != b.shape for a, b in zip(averages, self.averages)
         ):
-            raise ValueError("EMA state does not match the optimizer's parameters (count or shapes)")
+            raise ValueError(
+                "EMA state does not match the optimizer's parameters (count or shapes)"
+            )
         for mine, saved in zip(self.averages, averages):
             mine.copy_(saved)

@@ -330,9 +330,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scale * loss_scale_factor``; call ``.backward()`` on the result.
 
-        May be used for several backward passes before one ``step()``.
+        May be used for several backward passes before one ``step()``. The scale used is
+        remembered (a device-side copy) and ``step()`` unscales by it, so a loss scale
+        shared with another optimizer that steps (and backs off) first stays correct.
         """
-        return self.loss_scaler.scale_loss(loss, self._factor())
+        scaled = self.loss_scaler.scale_loss(loss, self._factor())
+        self.__dict__["_scale_used"] = self.loss_scaler.scale.detach().clone()
+        return scaled
 
     def get_scaled_loss(self, loss: torch.Tensor | Callable[[], torch.Tensor]) -> Any:
         """TF spelling of :meth:`scale_loss`; a callable gives a callable back."""
@@ -345,7 +349,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     ) -> list[torch.Tensor | None]:
         """A new list with every gradient divided by the scale; ``None`` entries kept."""
         inv = self.loss_scaler.inv_scale(self._factor())
-        return [None if g is None else g * inv.to(g.device, g.dtype) for g in grads]
+        # In float32: 1/scale underflows float16 for scales above 2**24.
+        return [None if g is None else (g.float() * inv.to(g.device)).to(g.dtype) for g in grads]
 
     # -- the step ---------------------------------------------------------------------
 
@@ -364,7 +369,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             one = torch.ones((), dtype=torch.float32, device=self.loss_scaler.device)
             found_inf = unscale_and_check_(grads, one)
         else:
-            found_inf = self.loss_scaler.unscale_(grads, self._factor())
+            used = self.__dict__.pop("_scale_used", None)
+            found_inf = self.loss_scaler.unscale_(grads, self._factor(), scale=used)
         if self._accumulator is None:
             return found_inf
         if not self._accumulator.add(grads, found_inf):

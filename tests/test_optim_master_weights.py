@@ -1,0 +1,356 @@
+"""fp32 master weights (master_weights=True): float16/bfloat16 model, float32 copies
+stepped by the inner optimizer, gradients unscaled in float32, results copied back;
+checkpoints hold the masters; the memory it costs, measured and checked."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from mixprec.optim import LossScaleOptimizer
+
+KINDS = {
+    "noop": NoOpLossScale,
+    "static": lambda: StaticLossScale(1024.0),
+    "dynamic": lambda: DynamicLossScale(initial_scale=1024.0, growth_interval=1000),
+}
+OPTIMIZERS = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True),
+}
+LOW = [torch.float16, torch.bfloat16]
+
+
+def masters_of(opt) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def tiny_mlp(dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    return model.to(dtype)
+
+
+def batch(seed: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(8, 4, generator=g).to(dtype), torch.randn(8, 2, generator=g)
+
+
+def train_step(opt, model, seed: int, overflow: bool = False) -> None:
+    x, y = batch(seed, next(model.parameters()).dtype)
+    loss = torch.nn.functional.mse_loss(model(x).float(), y)  # loss in float32
+    opt.scale_loss(loss).backward()
+    if overflow:
+        model[0].weight.grad[0, 0] = float("inf")
+    opt.step()
+    opt.zero_grad()
+
+
+# -- structure ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_inner_optimizer_holds_float32_masters_and_float32_params_stand_for_themselves(dtype):
+    low = torch.nn.Parameter(torch.randn(3, 2).to(dtype))
+    norm = torch.nn.Parameter(torch.ones(2))  # a float32 layer kept in float32
+    inner = torch.optim.Adam([low, norm], lr=1e-3)
+    opt = LossScaleOptimizer(inner, master_weights=True)
+    m_low, m_norm = masters_of(opt)
+    assert opt.master_weights
+    assert m_low.dtype == torch.float32 and m_low is not low
+    assert torch.equal(m_low, low.detach().float())
+    assert m_norm is norm
+    assert [id(p) for p in inner.param_groups[0]["params"]] == [id(m_low), id(m_norm)]
+
+
+# -- the update, against a float32 optimizer ---------------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("dtype", LOW)
+def test_masters_follow_a_float32_optimizer_bit_for_bit(dtype, kind, optimizer):
+    gen = torch.Generator().manual_seed(3)
+    # Values that float16 and bfloat16 hold exactly, scaled or not (scales are powers of 2).
+    init = torch.randint(-64, 64, (5, 3), generator=gen).float() / 64
+    grads = [torch.randint(-128, 128, (5, 3), generator=gen).float() / 256 for _ in range(4)]
+    w = torch.nn.Parameter(init.to(dtype))
+    ref = torch.nn.Parameter(init.clone())
+    opt = LossScaleOptimizer(
+        OPTIMIZERS[optimizer]([w]), loss_scale=KINDS[kind](), master_weights=True
+    )
+    ref_opt = OPTIMIZERS[optimizer]([ref])
+    for g in grads:
+        w.grad = (g * opt.loss_scale).to(dtype)  # what backward of the scaled loss gives
+        opt.step()
+        opt.zero_grad()
+        ref.grad = g
+        ref_opt.step()
+        assert torch.equal(w.detach(), ref.detach().to(dtype))  # copied back after every step
+    master = masters_of(opt)[0]
+    assert torch.equal(master, ref.detach())
+    state = opt.state[master]
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    assert all(torch.equal(v, ref_opt.state[ref][k]) for k, v in state.items())
+
+
+@pytest.mark.parametrize("path", ["step", "minimize"])
+def test_gradients_are_unscaled_in_float32_not_in_float16(path):
+    # True gradient 2**-26: far below float16's smallest subnormal (2**-24), but
+    # 2**-11 once scaled by 2**15. Only a float32 unscale keeps it.
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
+    opt = LossScaleOptimizer(
+        torch.optim.SGD([w], lr=2.0**16), loss_scale=StaticLossScale(2.0**15), master_weights=True
+    )
+    c = torch.full((4,), 2.0**-12, dtype=torch.float16)
+
+    def loss():
+        return (w * c).sum() * 2.0**-14
+
+    if path == "step":
+        opt.scale_loss(loss()).backward()
+        assert w.grad.dtype == torch.float16 and torch.equal(
+            w.grad, torch.full((4,), 2.0**-11, dtype=torch.float16)
+        )
+        opt.step()
+        assert torch.equal(masters_of(opt)[0].grad, torch.full((4,), 2.0**-26))
+    else:
+        opt.minimize(loss, [w])
+    # lr * grad = 2**16 * 2**-26 = 2**-10.
+    assert torch.equal(masters_of(opt)[0], torch.full((4,), 1.0 - 2.0**-10))
+    assert torch.equal(w.detach(), torch.full((4,), 1.0 - 2.0**-10, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_overflowing_float16_gradient_skips_the_step_and_changes_nothing(kind):
+    model = tiny_mlp(torch.float16)
+    opt = LossScaleOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2), loss_scale=KINDS[kind](), master_weights=True
+    )
+    train_step(opt, model, seed=0)
+    params = [p.detach().clone() for p in model.parameters()]
+    masters = [m.detach().clone() for m in masters_of(opt)]
+    state = {(i, k): v.clone() for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+    train_step(opt, model, seed=1, overflow=True)
+    assert bool(opt.last_step_skipped) and int(opt.iterations) == 1
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), params))
+    assert all(torch.equal(m, b) for m, b in zip(masters_of(opt), masters))
+    after = {(i, k): v for i, s in enumerate(opt.state.values()) for k, v in s.items()}
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+
+
+# -- stall without masters, learning with them (measured) ----------------------------------
+
+
+def regression(dtype: torch.dtype, use_masters: bool, optimizer: str, steps: int = 60):
+    """Fit y = x @ 1 from w = 1.5 with every update below float16's resolution at 1.5."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(64, 8, generator=gen) * 2 - 1
+    y = x @ torch.full((8,), 1.0)
+    w = torch.nn.Parameter(torch.full((8,), 1.5, dtype=dtype))
+    if optimizer == "sgd":
+        inner = torch.optim.SGD([w], lr=5e-4)
+    else:
+        inner = torch.optim.Adam([w], lr=2e-4)
+    opt = LossScaleOptimizer(inner, loss_scale=StaticLossScale(256.0), master_weights=use_masters)
+    xl = x.to(dtype)
+    stepped = masters_of(opt)[0]
+
+    def eval_loss() -> float:  # measured in float32 from the model's own weights
+        return float(torch.nn.functional.mse_loss(x @ w.detach().float(), y))
+
+    losses, ratios = [eval_loss()], []
+    for _ in range(steps):
+        before = stepped.detach().float().clone()
+        loss = torch.nn.functional.mse_loss((xl @ w).float(), y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if use_masters:  # the update each step made, relative to the weight
+            ratios.append(float(((stepped.detach() - before).abs() / before.abs()).max()))
+        losses.append(eval_loss())
+    return w.detach().clone(), losses, ratios
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("dtype", LOW)
+def test_tiny_updates_stall_in_low_precision_and_learn_with_masters(dtype, optimizer, capsys):
+    w0 = torch.full((8,), 1.5, dtype=dtype)
+    w_plain, loss_plain, _ = regression(dtype, use_masters=False, optimizer=optimizer)
+    w_master, loss_master, ratios = regression(dtype, use_masters=True, optimizer=optimizer)
+    resolution = 2.0**-11 if dtype == torch.float16 else 2.0**-8  # half an ulp, relative
+    with capsys.disabled():
+        print(
+            f"\n[{dtype} {optimizer}] largest update/weight {max(ratios):.2e} "
+            f"(half-ulp {resolution:.2e}); loss without masters {loss_plain[0]:.6f} -> "
+            f"{loss_plain[-1]:.6f}, weights changed: {not torch.equal(w_plain, w0)}; "
+            f"with masters {loss_master[0]:.6f} -> {loss_master[-1]:.6f}, "
+            f"weight moved {float((w_master.float() - 1.5).abs().max()):.2e}"
+        )
+    # Every update is below the weights' resolution ...
+    assert max(ratios) < resolution
+    # ... so without masters not one bit of the weights changes and the loss is flat,
+    assert torch.equal(w_plain, w0)
+    assert len(set(loss_plain)) == 1
+    # ... while with masters the weights move and the loss goes down.
+    assert not torch.equal(w_master, w0)
+    assert loss_master[-1] < loss_master[0] * 0.99
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+
+def build_everything(model):
+    return LossScaleOptimizer(
+        torch.optim.Adam(model.parameters(), lr=3e-3),
+        loss_scale=DynamicLossScale(initial_scale=2.0**12, growth_interval=3),
+        master_weights=True,
+        global_clipnorm=5.0,
+        weight_decay=0.01,
+        use_ema=True,
+        ema_momentum=0.9,
+        gradient_accumulation_steps=2,
+    )
+
+
+def everything(opt, model) -> list[torch.Tensor]:
+    sd = opt.state_dict()
+    inner = [v for s in sd["inner"]["state"].values() for v in s.values()]
+    scale = list(sd["loss_scale"]["state"].values())
+    counters = list(sd["counters"].values())
+    acc = [s for s in sd["accumulation"]["sums"] if s is not None]
+    return (
+        [p.detach() for p in model.parameters()]
+        + [m.detach() for m in masters_of(opt)]
+        + inner
+        + scale
+        + counters
+        + sd["ema"]["averages"]
+        + acc
+    )
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_a_restored_checkpoint_continues_bit_for_bit(dtype):
+    model = tiny_mlp(dtype)
+    opt = build_everything(model)
+    for i in range(9):  # four windows and half of a fifth, one of them overflowing
+        train_step(opt, model, seed=i, overflow=i == 4)
+    assert int(opt.skipped_steps) == 1 and int(opt.iterations) == 3
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+
+    saved = ckpt["opt"]["master"]["masters"]
+    assert all(m.dtype == torch.float32 for m in saved)
+    assert all(torch.equal(s, m) for s, m in zip(saved, masters_of(opt)))
+    # The masters carry bits the low-precision model does not: rebuilding them from the
+    # model would lose information.
+    assert any(not torch.equal(m, p.detach().float()) for m, p in zip(saved, model.parameters()))
+
+    fresh = tiny_mlp(dtype, seed=123)
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt = build_everything(fresh)
+    fresh_opt.load_state_dict(ckpt["opt"])
+    assert all(
+        torch.equal(a, b) for a, b in zip(everything(opt, model), everything(fresh_opt, fresh))
+    )
+    for i in range(9, 16):
+        train_step(opt, model, seed=i, overflow=i == 12)
+        train_step(fresh_opt, fresh, seed=i, overflow=i == 12)
+    a, b = everything(opt, model), everything(fresh_opt, fresh)
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert int(fresh_opt.iterations) == 6 and int(fresh_opt.skipped_steps) == 2
+
+
+# -- validation --------------------------------------------------------------------------
+
+
+def test_master_weights_with_only_float32_parameters_raise_and_leave_the_inner_optimizer_alone():
+    model = tiny_mlp(torch.float32)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = batch(0, torch.float32)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    inner.step()
+    params = list(inner.param_groups[0]["params"])
+    ids = [id(p) for p in params]
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in inner.state.items()}
+    with pytest.raises(ValueError, match="master_weights=True needs float16 or bfloat16.*float32"):
+        LossScaleOptimizer(inner, master_weights=True)
+    assert [id(p) for p in inner.param_groups[0]["params"]] == ids
+    assert all(p.dtype == torch.float32 for p in params)
+    assert {id(p) for p in inner.state} == set(state)
+    assert all(
+        torch.equal(v, state[id(p)][k]) for p, s in inner.state.items() for k, v in s.items()
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"clipnorm": 1.0, "global_clipnorm": 1.0},
+        {"gradient_accumulation_steps": -2},
+        {"use_ema": True, "ema_momentum": 2.0},
+    ],
+    ids=["two-clipnorms", "negative-accumulation", "bad-ema"],
+)
+def test_a_rejected_master_weights_optimizer_does_not_swap_in_masters(kwargs):
+    model = tiny_mlp(torch.float16)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError):
+        LossScaleOptimizer(inner, master_weights=True, **kwargs)
+    # The inner optimizer still steps the model's own float16 parameters.
+    assert [id(p) for p in inner.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    assert all(p.dtype == torch.float16 for p in inner.param_groups[0]["params"])
+
+
+# -- memory (measured) -------------------------------------------------------------------
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_memory_of_parameters_and_adam_state_with_and_without_masters(capsys):
+    n_in = 3162
+    numel = n_in * n_in + n_in  # weight + bias: 10,001,406 parameters
+    step_bytes = 2 * 4  # Adam keeps one float32 scalar "step" per parameter tensor
+    results = {}
+    for name, dtype, masters in [
+        ("fp32 params", torch.float32, False),
+        ("bf16 params + fp32 masters", torch.bfloat16, True),
+    ]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(n_in, n_in, dtype=dtype)
+        opt = LossScaleOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-3),
+            loss_scale=NoOpLossScale(),
+            master_weights=masters,
+        )
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        opt.step()
+        assert int(opt.iterations) == 1
+        model_ids = {id(p) for p in model.parameters()}
+        param_bytes = nbytes(model.parameters())
+        master_bytes = nbytes(m for m in masters_of(opt) if id(m) not in model_ids)
+        state_bytes = nbytes(v for s in opt.state.values() for v in s.values())
+        results[name] = (param_bytes, master_bytes, state_bytes)
+        del model, opt
+    with capsys.disabled():
+        print(f"\nLinear({n_in}, {n_in}): {numel:,} parameters, Adam, one step")
+        for name, (pb, mb, sb) in results.items():
+            total = pb + mb + sb
+            print(
+                f"  {name:28s} params {pb:>12,d} B  masters {mb:>12,d} B  "
+                f"Adam state {sb:>12,d} B  total {total:>12,d} B ({total / numel:.2f} B/param)"
+            )
+    assert results["fp32 params"] == (4 * numel, 0, 8 * numel + step_bytes)
+    assert results["bf16 params + fp32 masters"] == (2 * numel, 4 * numel, 8 * numel + step_bytes)
+    assert sum(results["fp32 params"]) == 120_016_880
+    assert sum(results["bf16 params + fp32 masters"]) == 140_019_692
