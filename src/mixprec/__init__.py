@@ -6,6 +6,7 @@ with op lists, and a ``Model.train`` front end. See the README for a tour.
 """
 
 from mixprec import amp, compat, rewrite  # noqa: F401  (sub-packages users reach by name)
+from mixprec.amp import TrainStep, build_train_network, set_policy, to_float
 from mixprec.callbacks import (
     Callback,
     CallbackList,
@@ -14,6 +15,7 @@ from mixprec.callbacks import (
     History,
     LossMonitor,
     LossScaleMonitor,
+    LRScheduler,
     ModelCheckpoint,
     ProgressBar,
     RunState,
@@ -39,6 +41,12 @@ from mixprec.metrics import Accuracy, Loss, Metric, TopKAccuracy, build_metric
 from mixprec.models import MLP, MODEL_NAMES, LeNet5, TransformerClassifier, build_model
 from mixprec.optim import LossScaleOptimizer, joint_step
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
+from mixprec.rewrite import (
+    AmpLists,
+    CaptureError,
+    RewriteReport,
+    enable_mixed_precision_graph_rewrite,
+)
 from mixprec.syncs import HostSyncCounter
 from mixprec.train import Model
 
@@ -54,6 +62,14 @@ __all__ = [
     "DynamicLossScale",
     "DynamicLossScaleManager",
     "EarlyStopping",
+    "AmpLists",
+    "CaptureError",
+    "RewriteReport",
+    "TrainStep",
+    "build_train_network",
+    "enable_mixed_precision_graph_rewrite",
+    "set_policy",
+    "to_float",
     "FixedLossScaleManager",
     "History",
     "HostSyncCounter",
@@ -63,6 +79,7 @@ __all__ = [
     "LossScale",
     "LossScaleManager",
     "LossScaleMonitor",
+    "LRScheduler",
     "LossScaleOptimizer",
     "MLP",
     "MODEL_NAMES",

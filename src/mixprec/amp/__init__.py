@@ -1,0 +1,38 @@
+"""Mixed precision on module granularity: policies per module and Apex/MindSpore levels.
+
+* :func:`initialize` - levels O0-O3 and ``auto`` for a whole model and its optimizer.
+* :func:`set_policy`, :func:`to_float` - a :class:`~mixprec.Policy` for one module
+  (Keras's per-layer ``dtype=``, MindSpore's ``Cell.to_float``).
+* :func:`get_white_list`, :func:`get_black_list` - the default allow / deny lists.
+* :func:`build_train_network`, :class:`TrainStep` - a whole training step as a callable.
+
+>>> import torch
+>>> from mixprec import amp
+>>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+>>> net, opt = amp.initialize(net, opt, level="O1", dtype=torch.bfloat16)
+>>> loss = net(torch.randn(16, 4)).square().mean()      # model output is float32
+>>> opt.scale_loss(loss).backward(); opt.step(); opt.zero_grad()
+>>> net[0].weight.dtype, int(opt.iterations)
+(torch.float32, 1)
+"""
+
+from mixprec.amp.cast_hooks import invalidate_cast_cache
+from mixprec.amp.levels import LEVELS, initialize
+from mixprec.amp.lists import get_black_list, get_white_list
+from mixprec.amp.module_policy import compute_dtype, get_policy, set_policy, to_float
+from mixprec.amp.train_step import TrainStep, build_train_network
+
+__all__ = [
+    "LEVELS",
+    "initialize",
+    "set_policy",
+    "to_float",
+    "get_policy",
+    "compute_dtype",
+    "get_white_list",
+    "get_black_list",
+    "build_train_network",
+    "TrainStep",
+    "invalidate_cast_cache",
+]

@@ -1,0 +1,174 @@
+"""Which module types and torch functions run in low precision, and which in float32.
+
+The *white list* (allow list) holds what is numerically safe and fast in float16 /
+bfloat16: matrix products and convolutions, as module types and as functions. The
+*black list* (deny list) holds what must stay float32: normalisation layers, whose
+statistics lose too much in 8 or 11 bits of mantissa.
+
+``amp.initialize`` uses them per level: O1 runs white-listed modules and functions
+low inside a float32 model; O2 runs black-listed modules in float32 inside a low
+model. Wherever both apply, the innermost listed module (or the function) decides,
+so a black-listed layer inside a white-listed block stays float32.
+
+Entries are ``nn.Module`` subclasses (matched with ``isinstance``) or torch
+functions that ``__torch_function__`` can intercept (``torch.matmul``,
+``F.softmax``, ``torch.Tensor.bmm``...). A function also covers its namesakes in
+``torch``, ``torch.nn.functional`` and the ``torch.Tensor`` methods (``torch.matmul``
+covers ``a.matmul(b)`` and ``a @ b``). Functions are seen where the model's own
+forward code calls them, not inside another torch function: the matmuls inside
+``F.multi_head_attention_forward`` are reached by listing the module,
+``nn.MultiheadAttention``, which is on the default white list.
+
+>>> import torch
+>>> torch.nn.Linear in get_white_list(), torch.nn.LayerNorm in get_black_list()
+(True, True)
+>>> get_white_list() is get_white_list()        # copies: edit freely
+False
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import get_overridable_functions
+
+__all__ = ["get_white_list", "get_black_list", "check_list", "split_list"]
+
+_WHITE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.RNN,
+    nn.LSTM,
+    nn.GRU,
+    nn.RNNCell,
+    nn.LSTMCell,
+    nn.GRUCell,
+    nn.PReLU,
+    # Its projections are raw Parameters fed to F.multi_head_attention_forward: listing
+    # the module casts them (cached) and runs every matmul inside it low.
+    nn.MultiheadAttention,
+)
+
+_WHITE_FUNCTIONS: tuple[Any, ...] = (
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.baddbmm,
+    torch.addmm,
+    torch.addbmm,
+    torch.einsum,
+    F.linear,
+    F.bilinear,
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    F.conv_transpose1d,
+    F.conv_transpose2d,
+    F.conv_transpose3d,
+    F.prelu,
+    F.scaled_dot_product_attention,
+)
+
+_BLACK_MODULES: tuple[type[nn.Module], ...] = tuple(
+    cls
+    for cls in (
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        nn.SyncBatchNorm,
+        nn.LazyBatchNorm1d,
+        nn.LazyBatchNorm2d,
+        nn.LazyBatchNorm3d,
+        nn.InstanceNorm1d,
+        nn.InstanceNorm2d,
+        nn.InstanceNorm3d,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        getattr(nn, "RMSNorm", None),  # torch >= 2.4
+        nn.LocalResponseNorm,
+    )
+    if cls is not None
+)
+
+
+def get_white_list() -> list[Any]:
+    """A copy of the default allow list: module types, then functions, run low in O1."""
+    return [*_WHITE_MODULES, *_WHITE_FUNCTIONS]
+
+
+def get_black_list() -> list[Any]:
+    """A copy of the default deny list: normalisation module types, kept float32 in O2."""
+    return list(_BLACK_MODULES)
+
+
+@functools.lru_cache(maxsize=1)
+def _interceptable() -> frozenset:
+    return frozenset(f for fs in get_overridable_functions().values() for f in fs)
+
+
+def _namesakes(func: Any) -> set[Any]:
+    """``func`` and the same-named torch / functional / Tensor functions."""
+    name = getattr(func, "__name__", None)
+    found = {func}
+    if name is None:
+        return found
+    for namespace in (torch, F, torch.Tensor):
+        other = getattr(namespace, name, None)
+        if other is not None and other in _interceptable():
+            found.add(other)
+    if name == "matmul":
+        found.update({torch.Tensor.__matmul__, torch.Tensor.__rmatmul__})
+    return found
+
+
+def check_list(name: str, value: Any) -> tuple[Any, ...] | None:
+    """Validate a user's white or black list; return it as a tuple (``None`` stays)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, type)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{name} must be a list of nn.Module types and torch functions, got "
+            f"{type(value).__name__} {value!r}; e.g. {name}=[torch.nn.Linear, torch.matmul]"
+        )
+    items = tuple(value)
+    for item in items:
+        if isinstance(item, type):
+            if not issubclass(item, nn.Module):
+                raise TypeError(
+                    f"{name} entry {item!r} is a class but not an nn.Module subclass; "
+                    "list module types such as torch.nn.Linear"
+                )
+        elif isinstance(item, nn.Module):
+            raise TypeError(
+                f"{name} entry {type(item).__name__}(...) is a module instance; list its type, "
+                f"{type(item).__name__}, or give the instance its own policy with "
+                "mixprec.amp.set_policy / to_float"
+            )
+        elif item not in _interceptable():
+            raise TypeError(
+                f"{name} entry {item!r} is not a torch function that __torch_function__ can "
+                "intercept (torch.*, torch.nn.functional.*, torch.Tensor methods); put the code "
+                "in an nn.Module and list the module's type instead"
+            )
+    return items
+
+
+def split_list(items: Iterable[Any]) -> tuple[tuple[type[nn.Module], ...], frozenset]:
+    """``(module types, functions with their namesakes)`` of a checked list."""
+    modules = tuple(item for item in items if isinstance(item, type))
+    functions: set[Any] = set()
+    for item in items:
+        if not isinstance(item, type):
+            functions |= _namesakes(item)
+    return modules, frozenset(functions)
