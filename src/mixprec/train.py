@@ -232,6 +232,10 @@ class Model:
         opt.zero_grad(set_to_none=True)
         return loss.detach(), out.detach()
 
+    def current_loss_scale(self) -> float:
+        """The factor the loss is multiplied by before backward (reading it syncs)."""
+        return float(self.optimizer.loss_scale)
+
     def backward(self, loss: torch.Tensor) -> None:
         """The scaled backward pass (a subclass may scale differently)."""
         self.optimizer.scale_loss(loss).backward()
@@ -293,7 +297,7 @@ class Model:
                 state.step += 1
                 state.step_in_epoch += 1
                 state.loss = float(loss)  # the step's one host sync
-                state.loss_scale = float(self.optimizer.loss_scale)
+                state.loss_scale = self.current_loss_scale()
                 state.skipped = bool(self.optimizer.last_step_skipped)
                 state.skipped_steps = int(self.optimizer.skipped_steps)
                 state.samples_per_s = x.shape[0] / max(time.perf_counter() - t0, 1e-9)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -84,6 +85,57 @@ class LossScaleOptimizer(_CoreLossScaleOptimizer):
             raise type(err)(str(err).replace("growth_interval", "dynamic_growth_steps")) from None
         super().__init__(inner_optimizer, loss_scale=loss_scale, **kwargs)
         self.__dict__["name"] = name if name is not None else "loss_scale_optimizer"
+        self.__dict__["_ema_options"] = (
+            kwargs.get("ema_momentum", 0.99),
+            kwargs.get("ema_overwrite_frequency"),
+        )
+
+    # Keras's attribute names for the base-optimizer options. ``weight_decay`` is the
+    # decoupled decay given here, not the inner optimizer's own ``weight_decay``
+    # hyperparameter (the core stores this one as ``decoupled_weight_decay``).
+    @property
+    def weight_decay(self) -> float | None:
+        """The decoupled weight decay passed as ``weight_decay=`` (``None``: none)."""
+        return self.decoupled_weight_decay
+
+    @weight_decay.setter
+    def weight_decay(self, value: float | None) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
+        ):
+            raise ValueError(f"weight_decay must be a non-negative number or None, got {value!r}")
+        self.__dict__["decoupled_weight_decay"] = value
+
+    @property
+    def ema_momentum(self) -> float:
+        """The EMA momentum (Keras default 0.99; used only with ``use_ema=True``)."""
+        return self._ema.momentum if self._ema is not None else self._ema_options[0]
+
+    @property
+    def ema_overwrite_frequency(self) -> int | None:
+        """Applied steps between overwrites of the parameters by their averages."""
+        return self._ema.overwrite_frequency if self._ema is not None else self._ema_options[1]
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, torch.Tensor]]) -> None:
+        """Keras 3's ``apply_gradients``: the gradients of ``scale_loss(loss)``, still
+        scaled; they are unscaled, checked, applied or skipped, and the scale updated.
+
+        (TF 2's ``LossScaleOptimizer.apply_gradients``, in :mod:`mixprec.compat.tf`, takes
+        gradients already unscaled with ``get_unscaled_gradients``.)
+        """
+        self._apply_pairs(grads_and_vars, scaled=True)
+
+    def apply(
+        self, grads: Iterable[Any], trainable_variables: Iterable[torch.Tensor] | None = None
+    ) -> None:
+        """Keras 3's ``apply(grads, trainable_variables=None)``: :meth:`apply_gradients`
+        unzipped; without ``trainable_variables``, ``grads`` follow the optimizer's own
+        parameters in order."""
+        params = self._own_params() if trainable_variables is None else list(trainable_variables)
+        grads = list(grads)
+        if len(grads) != len(params):
+            raise ValueError(f"got {len(grads)} gradients for {len(params)} variables")
+        self.apply_gradients(list(zip(grads, params)))
 
     @property
     def dynamic_scale(self) -> torch.Tensor:

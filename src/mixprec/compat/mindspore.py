@@ -145,6 +145,8 @@ class Model(_CoreModel):
     amp_level="O0", loss_scale_manager=None)`` with ``train(epoch, train_dataset,
     callbacks=None)``.
 
+    * ``amp_level="O2"`` without a manager uses MindSpore's level default,
+      ``DynamicLossScaleManager()`` (initial scale 2**24), in float16 and bfloat16 alike.
     * ``network`` may also be a :class:`TrainOneStepCell`, which then does each whole
       step itself (the seed's ``Model(net_with_train)``; no ``amp_level`` or manager).
     * ``FixedLossScaleManager(S, drop_overflow_update=False)`` with an optimizer that has
@@ -181,6 +183,9 @@ class Model(_CoreModel):
             network.optimizer = wrapped  # the cell steps through it: counters stay right
             super().__init__(network.network, loss_fn, wrapped, metrics={}, **kwargs)
             return
+        if loss_scale_manager is None and amp_level == "O2" and optimizer is not None:
+            # MindSpore's O2 comes with DynamicLossScaleManager() (2**24, x2, 2000).
+            loss_scale_manager = DynamicLossScaleManager()
         side_scale = getattr(optimizer, "loss_scale", None)
         if (
             isinstance(loss_scale_manager, FixedLossScaleManager)
@@ -202,6 +207,9 @@ class Model(_CoreModel):
         if self._cell is not None:
             return self._cell(x, y), None
         return super().train_step(x, y)
+
+    def current_loss_scale(self) -> float:
+        return super().current_loss_scale() if self._sens is None else self._sens
 
     def backward(self, loss: torch.Tensor) -> None:
         if self._sens is None:

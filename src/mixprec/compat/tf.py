@@ -40,6 +40,17 @@ def _all_finite(grads: Iterable[torch.Tensor | None], device: torch.device) -> t
     return unscale_and_check_([g.detach().clone() for g in grads if g is not None], one)
 
 
+def _flatten(grads: Any) -> list[Any]:
+    """The leaves of a nested list/tuple/dict of gradients (TF's ``nest.flatten``)."""
+    if isinstance(grads, Mapping):
+        return [leaf for value in grads.values() for leaf in _flatten(value)]
+    if grads is None or isinstance(grads, (torch.Tensor, str, bytes)):
+        return [grads]
+    if isinstance(grads, Iterable):
+        return [leaf for item in grads for leaf in _flatten(item)]
+    return [grads]
+
+
 class _TFLossScaleMixin:
     """``__call__`` and ``update(grads)`` of TF's ``LossScale`` classes."""
 
@@ -48,12 +59,16 @@ class _TFLossScaleMixin:
         return self.scale
 
     def update(self, grads: Any) -> torch.Tensor:
-        """Update the scale from ``grads``, a list of (unscaled) gradients (``None`` allowed).
+        """Update the scale from ``grads``: a tensor or a nested list/tuple/dict of (unscaled)
+        gradients, ``None`` allowed.
 
         Returns ``should_apply_gradients``: a bool tensor, False when any gradient is
         non-finite. Gradients are only checked, not changed. No host sync.
         """
-        grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
+        grads = _flatten(grads)
+        for g in grads:
+            if g is not None and not isinstance(g, torch.Tensor):
+                raise TypeError(f"grads must hold tensors or None, got {type(g).__name__}")
         found_inf = _all_finite(grads, self.scale.device)
         self.advance(found_inf)
         return found_inf == 0
@@ -182,6 +197,15 @@ class LossScaleOptimizer(_CoreLossScaleOptimizer):
         else:
             super().__init__(inner_optimizer, dynamic, initial_scale, dynamic_growth_steps)
 
+    @classmethod
+    def _with_loss_scale(
+        cls, inner_optimizer: torch.optim.Optimizer, loss_scale: core.LossScale
+    ) -> LossScaleOptimizer:
+        """The optimizer over a given loss-scale object (TF 2.3's ``loss_scale=`` argument)."""
+        self = cls.__new__(cls)
+        _CoreLossScaleOptimizer.__init__(self, inner_optimizer, loss_scale=loss_scale)
+        return self
+
 
 def enable_mixed_precision_graph_rewrite(
     opt: torch.optim.Optimizer,
@@ -211,7 +235,7 @@ def enable_mixed_precision_graph_rewrite(
     if loss_scale == "dynamic":
         wrapped = LossScaleOptimizer(opt)
     elif isinstance(loss_scale, core.LossScale):
-        wrapped = _CoreLossScaleOptimizer(opt, loss_scale=loss_scale)
+        wrapped = LossScaleOptimizer._with_loss_scale(opt, loss_scale)
     elif isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
         wrapped = LossScaleOptimizer(opt, dynamic=False, initial_scale=float(loss_scale))
     else:

@@ -244,6 +244,12 @@ CLEAR = frozenset(
         "abs",
         "neg",
         "sign",
+        # Rounding to integers is exact in any float format that holds the value (TF's
+        # ClearList names Floor).
+        "floor",
+        "ceil",
+        "round",
+        "trunc",
         "argmax",
         "argmin",
         "eq",
