@@ -1,0 +1,182 @@
+"""Callbacks that show a run as it goes: loss lines, loss-scale health, progress bars."""
+
+from __future__ import annotations
+
+import sys
+from typing import IO, Any
+
+from tqdm.auto import tqdm
+
+from mixprec.callbacks.base import Callback, RunState, _emit, _non_negative_int, format_loss
+
+__all__ = ["LossMonitor", "LossScaleMonitor", "ProgressBar"]
+
+
+class LossMonitor(Callback):
+    """Print ``epoch: E step: S, loss is L`` every ``per_print_times`` steps.
+
+    ``S`` is the step within the epoch and ``L`` the step's loss as float32, the
+    line MindSpore's ``LossMonitor`` prints. ``per_print_times=0`` prints nothing.
+    Steps are counted over the whole run, so a resumed run prints on the same steps.
+
+    >>> mon = LossMonitor(per_print_times=2)
+    >>> for step in (1, 2, 3, 4):
+    ...     mon.on_step_end(RunState(epoch=1, step=step, step_in_epoch=step, loss=2.3018966))
+    epoch: 1 step: 2, loss is 2.3018966
+    epoch: 1 step: 4, loss is 2.3018966
+    """
+
+    def __init__(self, per_print_times: int = 1, file: IO[str] | None = None) -> None:
+        self.per_print_times = _non_negative_int("per_print_times", per_print_times, 1)
+        self.file = file
+
+    def on_step_end(self, state: RunState) -> None:
+        """Print the loss line when the global step is a multiple of ``per_print_times``."""
+        if self.per_print_times and state.step % self.per_print_times == 0:
+            _emit(
+                f"epoch: {state.epoch} step: {state.step_in_epoch}, "
+                f"loss is {format_loss(state.loss)}",
+                self.file,
+            )
+
+
+class LossScaleMonitor(Callback):
+    """Record the loss scale and skipped steps; print a line per epoch and per change.
+
+    ``scales``/``skipped`` hold one entry per step; ``changes`` lists
+    ``(step, old_scale, new_scale)`` whenever the scale moved. With ``per_epoch``,
+    each epoch ends with ``epoch: E loss scale is X, skipped steps: k of n (total t)``;
+    with ``on_change``, every scale change is printed as it happens.
+
+    >>> mon = LossScaleMonitor(on_change=True)
+    >>> s = RunState(epoch=1)
+    >>> for scale, skip in ((4.0, False), (2.0, True), (2.0, False)):
+    ...     s.step += 1; s.step_in_epoch += 1; s.loss_scale = scale; s.skipped = skip
+    ...     s.skipped_steps += skip
+    ...     mon.on_step_end(s)
+    epoch: 1 step: 2, loss scale 4.0 -> 2.0 (step skipped)
+    >>> mon.on_epoch_end(s)
+    epoch: 1 loss scale is 2.0, skipped steps: 1 of 3 (total 1)
+    """
+
+    def __init__(
+        self, per_epoch: bool = True, on_change: bool = False, file: IO[str] | None = None
+    ) -> None:
+        self.per_epoch = per_epoch
+        self.on_change = on_change
+        self.file = file
+        self.scales: list[float] = []
+        self.skipped: list[bool] = []
+        self.changes: list[tuple[int, float, float]] = []
+        self._epoch_skipped = 0
+
+    def on_epoch_begin(self, state: RunState) -> None:
+        """Start counting this epoch's skipped steps."""
+        self._epoch_skipped = 0
+
+    def on_step_end(self, state: RunState) -> None:
+        """Record this step's scale and whether it was skipped."""
+        scale = float(state.loss_scale)
+        if self.scales and scale != self.scales[-1]:
+            self.changes.append((state.step, self.scales[-1], scale))
+            if self.on_change:
+                why = " (step skipped)" if state.skipped else ""
+                _emit(
+                    f"epoch: {state.epoch} step: {state.step_in_epoch}, loss scale "
+                    f"{self.scales[-1]} -> {scale}{why}",
+                    self.file,
+                )
+        self.scales.append(scale)
+        self.skipped.append(bool(state.skipped))
+        self._epoch_skipped += bool(state.skipped)
+
+    def on_epoch_end(self, state: RunState) -> None:
+        """Print the epoch's final scale and skipped-step count."""
+        if self.per_epoch:
+            _emit(
+                f"epoch: {state.epoch} loss scale is {float(state.loss_scale)}, skipped steps: "
+                f"{self._epoch_skipped} of {state.step_in_epoch} (total {state.skipped_steps})",
+                self.file,
+            )
+
+
+class ProgressBar(Callback):
+    """Show tqdm bars for epochs and for steps, with loss, scale and throughput.
+
+    The step bar's postfix shows the last loss, the loss scale, the total of skipped
+    steps and samples per second; the epoch bar's shows the epoch metrics. Bars go
+    to ``file`` (default: standard error); ``disable=True`` hides them.
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> bar = ProgressBar(file=out, mininterval=0)
+    >>> s = RunState(epochs=1, steps_per_epoch=1)
+    >>> bar.on_train_begin(s); s.epoch = 1; bar.on_epoch_begin(s)
+    >>> s.step = s.step_in_epoch = 1; s.loss = 0.5; s.loss_scale = 1024.0
+    >>> bar.on_step_end(s); s.metrics = {"accuracy": 0.75}
+    >>> bar.on_epoch_end(s); bar.on_train_end(s)
+    >>> "scale=1024" in out.getvalue(), "accuracy=0.75" in out.getvalue()
+    (True, True)
+    """
+
+    def __init__(
+        self, file: IO[str] | None = None, disable: bool = False, mininterval: float = 0.1
+    ) -> None:
+        self.file = file
+        self.disable = disable
+        self.mininterval = mininterval
+        self._epoch_bar: tqdm | None = None
+        self._step_bar: tqdm | None = None
+
+    def _bar(self, **kwargs: Any) -> tqdm:
+        return tqdm(
+            file=self.file if self.file is not None else sys.stderr,
+            disable=self.disable,
+            mininterval=self.mininterval,
+            dynamic_ncols=True,
+            **kwargs,
+        )
+
+    def on_train_begin(self, state: RunState) -> None:
+        """Open the epoch bar, starting at the epochs already done."""
+        self._epoch_bar = self._bar(
+            total=state.epochs, initial=state.epoch, desc="training", unit="epoch"
+        )
+
+    def on_epoch_begin(self, state: RunState) -> None:
+        """Open this epoch's step bar."""
+        self._step_bar = self._bar(
+            total=state.steps_per_epoch, desc=f"epoch {state.epoch}", unit="step", leave=False
+        )
+
+    def on_step_end(self, state: RunState) -> None:
+        """Advance the step bar and refresh its postfix."""
+        if self._step_bar is None:
+            return
+        # refresh=False: tqdm redraws at most every mininterval, not on every step.
+        self._step_bar.set_postfix(
+            loss=format_loss(state.loss),
+            scale=f"{state.loss_scale:g}",
+            skipped=state.skipped_steps,
+            samples_s=f"{state.samples_per_s:.0f}",
+            refresh=False,
+        )
+        self._step_bar.update(1)
+
+    def on_epoch_end(self, state: RunState) -> None:
+        """Close the step bar and show the epoch metrics on the epoch bar."""
+        if self._step_bar is not None:
+            self._step_bar.close()
+            self._step_bar = None
+        if self._epoch_bar is not None:
+            self._epoch_bar.set_postfix(
+                {k: f"{v:.4g}" for k, v in state.metrics.items()}, refresh=False
+            )
+            self._epoch_bar.update(1)
+
+    def on_train_end(self, state: RunState) -> None:
+        """Close any open bar."""
+        for bar in (self._step_bar, self._epoch_bar):
+            if bar is not None:
+                bar.close()
+        self._step_bar = self._epoch_bar = None
