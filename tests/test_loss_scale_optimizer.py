@@ -415,3 +415,21 @@ def test_float16_underflow_is_rescued_by_dynamic_loss_scaling():
     assert scaled_zeros[-1] < 0.1
     assert scaled_loss < 1.2 * fp32_loss + 1e-3  # reaches the float32 loss
     assert fp32_loss < 0.2 * initial_loss
+
+
+def test_apply_anyway_mode_needs_no_host_sync():
+    """skip_nonfinite=False (MindSpore's drop_overflow_update=False) never reads the flag."""
+    model = make_model()
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_scale=StaticLossScale(8.0),
+        skip_nonfinite=False,
+    )
+    x, y = batch()
+    opt.scale_loss(F.mse_loss(model(x), y)).backward()
+    next(model.parameters()).grad[0, 0] = float("inf")
+    with HostSyncCounter() as syncs:
+        opt.step()
+    assert syncs.count == 0
+    assert not torch.isfinite(next(model.parameters())).all()  # applied anyway
+    assert int(opt.skipped_steps) == 0 and int(opt.iterations) == 1

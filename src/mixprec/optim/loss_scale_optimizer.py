@@ -396,7 +396,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 clip_by_global_norm_(grads, self.global_clipnorm)
             if self.decoupled_weight_decay:
                 self._decay(applied)
-        self._inner_step(found_inf)
+        self._inner_step(found_inf, may_skip=self.skip_nonfinite)
         if self._ema is not None:
             self._ema.update(self._stepped_params(), applied, self.iterations.to(applied.device))
         if self._master is not None:
@@ -414,7 +414,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 for p in params:
                     p.mul_(factor.to(p.device, p.dtype))
 
-    def _inner_step(self, found_inf: torch.Tensor) -> None:
+    def _inner_step(self, found_inf: torch.Tensor, may_skip: bool = True) -> None:
         inner = self._inner
         if getattr(inner, "_step_supports_amp_scaling", False):
             # Fused kernels take the flag and skip on the device: no host sync.
@@ -425,7 +425,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             finally:
                 del inner.found_inf
                 del inner.grad_scale
-        elif not found_inf.item():  # the one host sync of a non-fused step
+        elif not may_skip or not found_inf.item():  # the one host sync of a non-fused step
             inner.step()
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
