@@ -1,0 +1,178 @@
+"""The training configurations compared by workloads 3-5, each as one step function.
+
+========================  =====================================================================
+recipe                    one training step
+========================  =====================================================================
+``fp32``                  ``loss = ce(model(x), y); loss.backward(); opt.step()``
+``autocast``              ``with torch.autocast(dev, dtype): out = model(x)``; float32 loss;
+                          plain backward and step (PyTorch's bfloat16 recipe)
+``autocast+gradscaler``   the same with ``torch.amp.GradScaler`` (PyTorch's float16 recipe;
+                          for bfloat16 it scales and unscales for nothing, kept as the
+                          usual copy-paste recipe)
+``O1``, ``O2``, ``O3``    ``model, opt = mixprec.amp.initialize(model, opt, level, dtype)``;
+                          ``opt.scale_loss(loss).backward(); opt.step()``
+``rewrite``               ``model, opt = mixprec.rewrite.enable_mixed_precision_graph_rewrite(
+                          model, opt, loss_scale, dtype, example_inputs=(x,))``
+========================  =====================================================================
+
+Every recipe starts from the same float32 weights (``torch.manual_seed`` before the
+model is built), uses the same inner optimizer (AdamW, fused where the device has
+the kernel, so no recipe pays a host sync for skipping steps) and computes the loss
+in float32. Loss scaling follows each API's default for the dtype: dynamic for
+float16, none for bfloat16 (``rewrite`` is given the same choice explicitly, since
+its own default is always dynamic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.models import LeNet5, TransformerClassifier
+
+__all__ = ["RECIPES", "Recipe", "build_recipe", "make_optimizer", "workload_model"]
+
+RECIPES: tuple[str, ...] = ("fp32", "autocast", "autocast+gradscaler", "O1", "O2", "O3", "rewrite")
+
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclasses.dataclass
+class Recipe:
+    """A model and optimizer prepared one way; ``step(x, y)`` trains, ``logits(x)`` evaluates."""
+
+    name: str
+    dtype: torch.dtype
+    model: nn.Module
+    optimizer: Any  # what an LR scheduler drives: the inner optimizer or the wrapper
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    logits: Callable[[torch.Tensor], torch.Tensor]
+
+
+def make_optimizer(params: Any, device: str, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """AdamW, fused where the device has the kernel."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    fused = torch.device(device).type in _get_fused_kernels_supported_devices()
+    return torch.optim.AdamW(params, lr=lr, fused=fused or None)
+
+
+def workload_model(name: str, dims: dict[str, int] | None = None) -> nn.Module:
+    """``"transformer"`` (a TransformerClassifier of ``dims``) or ``"lenet5"`` (8x8 digits)."""
+    if name == "transformer":
+        return TransformerClassifier(num_classes=10, **(dims or {}))
+    if name == "lenet5":
+        return LeNet5(num_classes=10, num_channels=1, input_size=8)
+    raise ValueError(f"unknown workload model {name!r}; use 'transformer' or 'lenet5'")
+
+
+def _plain_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    device_type: str,
+    autocast_dtype: torch.dtype | None,
+    scaler: torch.amp.GradScaler | None,
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(
+            device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None
+        ):
+            out = model(x)
+        loss = F.cross_entropy(out.float(), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _scaled_step(
+    model: nn.Module, opt: Any
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(model(x).float(), y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _logits(
+    model: nn.Module, device_type: str, autocast_dtype: torch.dtype | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def logits(x: torch.Tensor) -> torch.Tensor:
+        was_training = model.training
+        model.eval()
+        try:
+            with (
+                torch.no_grad(),
+                torch.autocast(
+                    device_type,
+                    dtype=autocast_dtype or torch.float32,
+                    enabled=autocast_dtype is not None,
+                ),
+            ):
+                return model(x).float()
+        finally:
+            model.train(was_training)
+
+    return logits
+
+
+def build_recipe(
+    name: str,
+    model_factory: Callable[[], nn.Module],
+    example_x: torch.Tensor,
+    device: str,
+    dtype: torch.dtype,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> Recipe:
+    """Build recipe ``name`` (one of :data:`RECIPES`) in low-precision ``dtype`` on ``device``.
+
+    The model comes from ``model_factory()`` after ``torch.manual_seed(seed)``, so
+    every recipe starts from the same weights.
+    """
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    torch.manual_seed(seed)
+    model = model_factory().to(device)
+    model.train()
+    device_type = torch.device(device).type
+    inner = make_optimizer(model.parameters(), device, lr)
+    if name == "fp32":
+        step = _plain_step(model, inner, device_type, None, None)
+        return Recipe(name, torch.float32, model, inner, step, _logits(model, device_type, None))
+    if name in ("autocast", "autocast+gradscaler"):
+        scaler = torch.amp.GradScaler(device_type) if name == "autocast+gradscaler" else None
+        step = _plain_step(model, inner, device_type, dtype, scaler)
+        return Recipe(name, dtype, model, inner, step, _logits(model, device_type, dtype))
+    if name in ("O1", "O2", "O3"):
+        from mixprec import amp
+
+        model, opt = amp.initialize(model, inner, level=name, dtype=dtype)
+        return Recipe(
+            name, dtype, model, opt, _scaled_step(model, opt), _logits(model, device_type, None)
+        )
+    from mixprec.rewrite import enable_mixed_precision_graph_rewrite
+
+    loss_scale = "dynamic" if dtype == torch.float16 else "none"
+    graph, opt = enable_mixed_precision_graph_rewrite(
+        model, inner, loss_scale=loss_scale, dtype=dtype, example_inputs=(example_x,)
+    )
+    return Recipe(
+        name, dtype, graph, opt, _scaled_step(graph, opt), _logits(graph, device_type, None)
+    )
