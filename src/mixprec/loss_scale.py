@@ -328,30 +328,29 @@ class DynamicLossScale(LossScale):
         return {"scale": float(self.initial_scale), "counter": 0, "inf_streak": 0}
 
     def advance(self, found_inf: torch.Tensor) -> None:
-        """Apply the rule in the class docstring. Branch-free; no host sync."""
+        """Apply the rule in the class docstring. Branch-free; no host sync.
+
+        Written with in-place arithmetic on the state tensors (about 15 small kernels):
+        the state is updated where it lives, so anyone holding these tensors (a CUDA
+        graph, a second optimizer sharing this loss scale) sees the new values.
+        """
         found = found_inf.to(self.scale.device, non_blocking=True) > 0
-        zero = torch.zeros_like(self.counter)
-
-        inf_streak = torch.where(found, self.inf_streak + 1, zero)
-        back_off = found & (inf_streak >= self.hysteresis)
-        counter = torch.where(found, zero, self.counter + 1)
-        grow = counter >= self.growth_interval
-        counter = torch.where(grow, zero, counter)
-
-        grown = self.scale * self.growth_factor
-        if self.max_scale is not None:
-            grown = grown.clamp(max=self.max_scale)
-        grown = torch.where(torch.isfinite(grown), grown, self.scale)
-        shrunk = self.scale * self.backoff_factor
-        if self.min_scale is not None:
-            shrunk = shrunk.clamp(min=self.min_scale)
-        scale = torch.where(back_off, shrunk, torch.where(grow, grown, self.scale))
-
-        # In place, so that anyone holding these tensors (a CUDA graph, a second
-        # optimizer sharing this loss scale) sees the new values.
+        # inf_streak = inf_streak + 1 on overflow, else 0; counter the other way round.
+        self.inf_streak.add_(1).mul_(found)
+        self.counter.add_(1).mul_(~found)
+        grow = self.counter >= self.growth_interval  # implies a finite step
+        self.counter.masked_fill_(grow, 0)
+        back_off = self.inf_streak >= self.hysteresis  # implies an overflowing step
+        factor = torch.where(
+            back_off, self.backoff_factor, torch.where(grow, self.growth_factor, 1.0)
+        )
+        scale = self.scale * factor
+        if self.min_scale is not None or self.max_scale is not None:
+            scale.clamp_(min=self.min_scale, max=self.max_scale)
+        if self.max_scale is None:
+            # Growth past float32's range keeps the old scale, as GradScaler does.
+            scale = torch.where(scale != math.inf, scale, self.scale)
         self.scale.copy_(scale)
-        self.counter.copy_(counter)
-        self.inf_streak.copy_(inf_streak)
 
 
 _KINDS: dict[str, type[LossScale]] = {

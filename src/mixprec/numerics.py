@@ -72,9 +72,9 @@ def unscale_and_check_(
             torch._amp_foreach_non_finite_check_and_unscale_(
                 group, local_inf, inv_scale.to(device, non_blocking=True)
             )
-            found_inf.add_(local_inf.to(found_inf.device, non_blocking=True))
-    # Several groups may each have set the flag to 1: keep it a 0/1 flag.
-    return found_inf.clamp_(max=1.0)
+            # Flags from several devices add up: keep it a 0/1 flag.
+            found_inf.add_(local_inf.to(found_inf.device, non_blocking=True)).clamp_(max=1.0)
+    return found_inf
 
 
 def global_norm(

@@ -231,9 +231,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if use_ema
             else None
         )
-        self.iterations = torch.zeros((), dtype=torch.int64)
+        # Counters live on the gradients' device (moved at the first step), so that
+        # counting never copies a flag to the host. Steps taken are counted on the host.
+        self._steps_taken = 0
         self.skipped_steps = torch.zeros((), dtype=torch.int64)
-        self.last_step_skipped = torch.zeros((), dtype=torch.bool)
+        self._last_found_inf = torch.zeros(())
 
     # -- delegation -------------------------------------------------------------------
 
@@ -315,6 +317,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self.loss_scaler.counter if self.dynamic else None
 
     @property
+    def iterations(self) -> torch.Tensor:
+        """Applied (not skipped) optimizer steps, an int64 tensor (reading it syncs)."""
+        return self._steps_taken - self.skipped_steps
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor:
+        """Whether the last step was skipped, a bool tensor (reading it syncs)."""
+        return self._last_found_inf > 0
+
+    @property
     def use_ema(self) -> bool:
         return self._ema is not None
 
@@ -358,11 +370,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """The tensors the inner optimizer updates (masters under master weights)."""
         return [p for g in self._inner.param_groups for p in g["params"]]
 
-    def _prepare(self, unscaled: bool = False) -> torch.Tensor | None:
+    def _prepare(self, params: list[torch.Tensor], unscaled: bool = False) -> torch.Tensor | None:
         """Unscale and check this step's gradients; ``None`` if the window is not full."""
         if self._master is not None:
             self._master.grads_to_masters()
-        params = self._stepped_params()
         grads = [p.grad for p in params]
         if unscaled:
             # Already divided by the scale (apply_gradients): check only.
@@ -380,13 +391,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             p.grad = None if avg is None else avg.to(p.dtype)
         return found_inf
 
-    def _apply(self, found_inf: torch.Tensor) -> None:
+    def _apply(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> None:
         """Clip, decay, step (or skip), EMA, copy back, count. Leaves the scale alone."""
-        params = [p for p in self._stepped_params() if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]
         if not self.skip_nonfinite:
             found_inf = torch.zeros_like(found_inf)
-        applied = 1.0 - found_inf
+        # 1 on an applied step, 0 on a skipped one: decay and EMA multiply by it.
+        applied = 1.0 - found_inf if self.decoupled_weight_decay or self._ema else None
         with torch.no_grad():
             if self.clipvalue is not None:
                 clip_by_value_(grads, self.clipvalue)
@@ -398,13 +409,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 self._decay(applied)
         self._inner_step(found_inf, may_skip=self.skip_nonfinite)
         if self._ema is not None:
-            self._ema.update(self._stepped_params(), applied, self.iterations.to(applied.device))
+            self._ema.update(params, applied, self.iterations.to(applied.device))
         if self._master is not None:
             self._master.masters_to_model()
-        skipped = found_inf.to(self.iterations.device) > 0
-        self.iterations += (~skipped).to(torch.int64)
-        self.skipped_steps += skipped.to(torch.int64)
-        self.last_step_skipped.copy_(skipped)
+        if self.skipped_steps.device != found_inf.device:
+            self.skipped_steps = self.skipped_steps.to(found_inf.device)
+        self.skipped_steps.add_(found_inf > 0)
+        self._steps_taken += 1
+        self._last_found_inf = found_inf
 
     def _decay(self, applied: torch.Tensor) -> None:
         for group in self._inner.param_groups:
@@ -439,10 +451,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        found_inf = self._prepare()
+        params = self._stepped_params()
+        found_inf = self._prepare(params)
         if found_inf is None:  # inside an accumulation window: nothing changes yet
             return result
-        self._apply(found_inf)
+        self._apply(params, found_inf)
         self.loss_scaler.advance(found_inf)
         return result
 
@@ -502,9 +515,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         for g, p in pairs:
             p.grad = None if g is None else g.detach().to(p.dtype)
         try:
-            found_inf = self._prepare(unscaled=not scaled)
+            params = self._stepped_params()
+            found_inf = self._prepare(params, unscaled=not scaled)
             if found_inf is not None:
-                self._apply(found_inf)
+                self._apply(params, found_inf)
                 self.loss_scaler.advance(found_inf)
         finally:
             for p in own:
@@ -585,8 +599,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 )
         self._inner.load_state_dict(state_dict["inner"])
         self.loss_scaler.load_state_dict(state_dict["loss_scale"]["state"])
-        for name, value in state_dict["counters"].items():
-            getattr(self, name).copy_(value)
+        counters = state_dict["counters"]
+        self.skipped_steps = counters["skipped_steps"].clone().to(self.skipped_steps.device)
+        self._steps_taken = int(counters["iterations"] + counters["skipped_steps"])
+        self._last_found_inf = counters["last_step_skipped"].float()
         if self._master is not None:
             self._master.load_state_dict(state_dict["master"])
         if self._ema is not None:
@@ -613,8 +629,9 @@ def joint_step(*optimizers: LossScaleOptimizer) -> None:
         )
     if any(o.gradient_accumulation_steps for o in optimizers):
         raise ValueError("joint_step does not combine with gradient_accumulation_steps")
-    flags = [o._prepare() for o in optimizers]
+    params = [o._stepped_params() for o in optimizers]
+    flags = [o._prepare(p) for o, p in zip(optimizers, params)]
     found_inf = torch.stack([f.to(flags[0].device) for f in flags]).amax()
-    for o in optimizers:
-        o._apply(found_inf)
+    for o, p in zip(optimizers, params):
+        o._apply(p, found_inf)
     optimizers[0].loss_scaler.advance(found_inf)
