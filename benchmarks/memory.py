@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import resource
-import sys
 from typing import Any
 
 import torch
@@ -35,47 +33,11 @@ import torch
 from benchmarks._common import PRESETS, Preset, low_dtypes, run_child
 from benchmarks.recipes import DTYPE_NAMES, RECIPES, build_recipe, make_optimizer, workload_model
 from benchmarks.throughput import MODELS, batch_for
+from mixprec.memory import max_rss_mib, peak_rss_mib, proc_status_mib, reset_peak_rss
 
 __all__ = ["measure", "run"]
 
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-
-def _max_rss_mib() -> float:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
-
-
-def _proc_status_mib(field: str) -> float | None:
-    """``VmRSS`` / ``VmHWM`` of this process from ``/proc/self/status`` (Linux), in MiB."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 2**10
-    except OSError:
-        pass
-    return None
-
-
-def _peak_rss_mib() -> float:
-    # VmHWM is the high-water mark of this address space. ru_maxrss reports the same
-    # mark but, on Linux, also keeps the RSS of the parent's image that this process
-    # was forked from (the kernel carries it across exec), so a child started by a
-    # big parent would report the parent's size.
-    hwm = _proc_status_mib("VmHWM")
-    return hwm if hwm is not None else _max_rss_mib()
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the high-water mark to the current RSS (Linux ``clear_refs``); False if not possible."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def _warm_runtime(model_name: str, device: str, dtype: torch.dtype) -> None:
@@ -125,9 +87,9 @@ def measure(
     else:
         # With the high-water mark reset, the peak is that of training alone; otherwise
         # it may still be the imports' or the warm-up's.
-        reset = _reset_peak_rss()
-        current = _proc_status_mib("VmRSS") if reset else None
-        baseline = current if current is not None else _peak_rss_mib()
+        reset = reset_peak_rss()
+        current = proc_status_mib("VmRSS") if reset else None
+        baseline = current if current is not None else peak_rss_mib()
     r = build_recipe(
         recipe, lambda: workload_model(model_name, preset.transformer), x, device, dtype
     )
@@ -137,7 +99,7 @@ def measure(
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak = _peak_rss_mib()
+        peak = peak_rss_mib()
     return {
         "model": model_name,
         "recipe": recipe,
@@ -145,13 +107,13 @@ def measure(
         "device": device,
         "measure": "cuda.max_memory_allocated"
         if on_gpu
-        else ("VmHWM" if _proc_status_mib("VmHWM") is not None else "ru_maxrss"),
+        else ("VmHWM" if proc_status_mib("VmHWM") is not None else "ru_maxrss"),
         "peak_reset_at_baseline": reset,
         "steps": steps,
         "baseline_mib": baseline,
         "peak_mib": peak,
         "above_baseline_mib": peak - baseline,
-        "process_max_rss_mib": _max_rss_mib(),
+        "process_max_rss_mib": max_rss_mib(),
     }
 
 

@@ -30,6 +30,7 @@ import torch
 from mixprec.callbacks import CSVLogger, History, LRScheduler, ModelCheckpoint, ProgressBar
 from mixprec.data import DataError, infer_num_classes, load_csv, load_npz, train_test_loaders
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from mixprec.memory import peak_rss_mib, reset_peak_rss
 from mixprec.models import MODEL_NAMES, build_model
 from mixprec.plots import plot_accuracy, plot_comparison, plot_loss, plot_loss_scale
 from mixprec.train import AMP_LEVELS, Model, resolve_device
@@ -344,9 +345,8 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
 def _compare_one(args: argparse.Namespace, level: str) -> dict[str, Any]:
     """Train one level in this (fresh) process and measure it."""
-    import resource
-
     model, train, test, schedule = _setup(args, level)
+    reset_peak_rss()  # count this level's training, not the imports before it
     step_times: list[float] = []
 
     class _Timer(History):
@@ -360,7 +360,7 @@ def _compare_one(args: argparse.Namespace, level: str) -> dict[str, Any]:
     if model.device.type == "cuda":
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak_mb = peak_rss_mib()
     return {
         "config": level if level == "O0" else f"{level} {str(model.dtype).replace('torch.', '')}",
         "accuracy": final["accuracy"],

@@ -1,0 +1,60 @@
+"""Host memory of this process: resident set now, its high-water mark, and a reset.
+
+``getrusage(RUSAGE_SELF).ru_maxrss`` is the usual way to read a process's peak
+memory, but on Linux a child's ``ru_maxrss`` also carries the RSS of the parent it
+was forked from (the kernel keeps it across ``exec``), and it cannot be reset. So
+this module reads ``VmHWM`` (the same high-water mark, per address space) from
+``/proc/self/status``, resets it with ``/proc/self/clear_refs``, and falls back to
+``ru_maxrss`` where ``/proc`` is absent.
+
+>>> peak_rss_mib() >= current_rss_mib() > 0
+True
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+__all__ = ["max_rss_mib", "proc_status_mib", "current_rss_mib", "peak_rss_mib", "reset_peak_rss"]
+
+
+def max_rss_mib() -> float:
+    """``ru_maxrss`` in MiB (see the module docstring for why it may overstate)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+def proc_status_mib(field: str) -> float | None:
+    """A ``Vm*`` field (``VmRSS``, ``VmHWM``) of ``/proc/self/status`` in MiB, or None."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 2**10
+    except OSError:
+        pass
+    return None
+
+
+def current_rss_mib() -> float:
+    """The resident set size now, in MiB (the peak where ``/proc`` is absent)."""
+    rss = proc_status_mib("VmRSS")
+    return rss if rss is not None else max_rss_mib()
+
+
+def peak_rss_mib() -> float:
+    """The resident-set high-water mark of this address space, in MiB."""
+    hwm = proc_status_mib("VmHWM")
+    return hwm if hwm is not None else max_rss_mib()
+
+
+def reset_peak_rss() -> bool:
+    """Reset the high-water mark to the current RSS (Linux); False where not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
