@@ -160,7 +160,7 @@ class LossScale:
         """Move the state tensors to ``device`` (in place); returns ``self``."""
         device = torch.device(device)
         for f in self._state_fields():
-            object.__setattr__(self, f.name, getattr(self, f.name).to(device))
+            object.__setattr__(self, f.name, getattr(self, f.name).to(device, non_blocking=True))
         return self
 
     def _follow(self, device: torch.device) -> None:

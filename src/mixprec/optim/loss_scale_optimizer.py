@@ -413,7 +413,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if self._master is not None:
             self._master.masters_to_model()
         if self.skipped_steps.device != found_inf.device:
-            self.skipped_steps = self.skipped_steps.to(found_inf.device)
+            self.skipped_steps = self.skipped_steps.to(found_inf.device, non_blocking=True)
         self.skipped_steps.add_(found_inf > 0)
         self._steps_taken += 1
         self._last_found_inf = found_inf

@@ -1,0 +1,81 @@
+"""CUDA checks: zero host syncs with fused optimizers, float16 O2 and the rewrite on a GPU.
+
+Skipped without a CUDA device (CI has none); run them on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixprec import LossScaleOptimizer, amp
+from mixprec.loss_scale import DynamicLossScale
+from mixprec.rewrite import rewrite
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)
+    ).cuda()
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_fused_step_never_syncs_on_cuda(master_weights):
+    model = _mlp()
+    if master_weights:
+        model.half()
+    opt = LossScaleOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        loss_scale=DynamicLossScale(initial_scale=2.0**15, growth_interval=3),
+        master_weights=master_weights,
+    )
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    for i in range(6):
+        loss = F.cross_entropy(model(x.to(next(model.parameters()).dtype)).float(), y)
+        opt.scale_loss(loss).backward()
+        if i == 2:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        torch.cuda.set_sync_debug_mode("error")  # any host sync now raises
+        try:
+            opt.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert int(opt.skipped_steps) == 1 and int(opt.iterations) == 5
+    assert opt.loss_scale.device.type == "cuda"
+
+
+def test_o2_float16_trains_on_cuda():
+    model = _mlp()
+    model, opt = amp.initialize(
+        model, torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True), "O2", torch.float16
+    )
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(256, 64, device="cuda", generator=g)
+    y = (x[:, 0] > 0).long()
+    first = None
+    for _ in range(50):
+        loss = F.cross_entropy(model(x), y)
+        first = float(loss) if first is None else first
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+    assert float(loss) < 0.5 * first
+    assert model[0].weight.dtype == torch.float16 and opt.master_weights
+
+
+def test_rewrite_runs_allow_ops_in_float16_on_cuda():
+    model = _mlp()
+    gm = rewrite(model, (torch.randn(8, 64, device="cuda"),), dtype=torch.float16)
+    x = torch.randn(16, 64, device="cuda")
+    out = gm(x)
+    assert out.dtype == torch.float32 and out.device.type == "cuda"
+    torch.testing.assert_close(out, model(x), rtol=2e-2, atol=2e-2)
