@@ -9,6 +9,7 @@ configuration alike. A ratio is the median over rounds of the per-round ratio
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -391,3 +392,22 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, torch.dtype | torch.device):
         return str(value).replace("torch.", "")
     return value
+
+
+def workload_parser(doc: str, default_device: str = "cpu") -> argparse.ArgumentParser:
+    """The command line every workload module shares: ``--preset`` and ``--device``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
+    parser.add_argument("--device", default=default_device)
+    return parser
+
+
+def workload_main(
+    doc: str,
+    run: Callable[[Preset, str], Any],
+    argv: list[str] | None = None,
+    default_device: str = "cpu",
+) -> None:
+    """Run one workload on its own and print its result as JSON."""
+    args = workload_parser(doc, default_device).parse_args(argv)
+    print(json.dumps(run(PRESETS[args.preset], args.device), indent=1))

@@ -16,15 +16,13 @@ next).
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import PRESETS, Preset, low_dtypes
+from benchmarks._common import Preset, low_dtypes, workload_main
 from benchmarks.recipes import DTYPE_NAMES, RECIPES, build_recipe, workload_model
 from mixprec.data import load_digits
 
@@ -112,11 +110,7 @@ def run(preset: Preset, device: str = "cpu") -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
-    print(json.dumps(run(PRESETS[args.preset], args.device), indent=1))
+    workload_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,12 @@ Target: ``added == 0`` with a fused inner optimizer, ``added <= 1`` otherwise.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 from typing import Any
 
 import torch
 
-from benchmarks._common import PRESETS, Preset
+from benchmarks._common import Preset, workload_main
 from benchmarks.overhead import ScalingTrainer, build_models, optimizer_factories
 from mixprec.syncs import HostSyncCounter
 
@@ -79,11 +77,7 @@ def run(preset: Preset, device: str = "cpu") -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
-    print(json.dumps(run(PRESETS[args.preset], args.device), indent=1))
+    workload_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

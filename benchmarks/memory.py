@@ -23,14 +23,13 @@ Target: O2 and O3 below ``torch.autocast``.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 from typing import Any
 
 import torch
 
-from benchmarks._common import PRESETS, Preset, low_dtypes, run_child
+from benchmarks._common import PRESETS, Preset, low_dtypes, run_child, workload_parser
 from benchmarks.recipes import DTYPE_NAMES, RECIPES, build_recipe, make_optimizer, workload_model
 from benchmarks.throughput import MODELS, batch_for
 from mixprec.memory import max_rss_mib, peak_rss_mib, proc_status_mib, reset_peak_rss
@@ -149,9 +148,7 @@ def run(preset: Preset, device: str = "cpu", workers: int = 2) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    parser.add_argument("--device", default="cpu")
+    parser = workload_parser(__doc__)
     parser.add_argument("--child", action="store_true", help="measure one configuration here")
     parser.add_argument("--model", choices=MODELS, default="transformer")
     parser.add_argument("--recipe", choices=RECIPES, default="fp32")

@@ -18,8 +18,6 @@ own matrix units.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from typing import Any
 
@@ -27,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks._common import PRESETS, Preset, device_sync, low_dtypes
+from benchmarks._common import Preset, device_sync, low_dtypes, workload_main
 from benchmarks.recipes import DTYPE_NAMES, workload_model
 from benchmarks.throughput import batch_for
 
@@ -102,11 +100,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = parser.parse_args(argv)
-    print(json.dumps(run(PRESETS[args.preset], args.device), indent=1))
+    workload_main(__doc__, run, argv, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ Run one model alone: ``python -m benchmarks.overhead --preset quick``.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import copy
 import cProfile
@@ -56,6 +55,7 @@ from benchmarks._common import (
     paired_quartiles,
     paired_ratio,
     summarize,
+    workload_parser,
 )
 from mixprec.models import MLP
 from mixprec.optim import LossScaleOptimizer
@@ -433,9 +433,8 @@ def run(preset: Preset, device: str = "cpu", profile: bool = True) -> dict[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    parser.add_argument("--device", default="cpu")
+    parser = workload_parser(__doc__)
+    parser.set_defaults(preset="quick")
     parser.add_argument("--no-profile", action="store_true")
     args = parser.parse_args(argv)
     result = run(PRESETS[args.preset], args.device, profile=not args.no_profile)

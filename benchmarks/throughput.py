@@ -16,14 +16,11 @@ CPU in bfloat16, the transformer at >= 2.5x float32.
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Any
 
 import torch
 
 from benchmarks._common import (
-    PRESETS,
     Case,
     Preset,
     interleaved,
@@ -31,6 +28,7 @@ from benchmarks._common import (
     paired_quartiles,
     paired_ratio,
     summarize,
+    workload_main,
 )
 from benchmarks.recipes import DTYPE_NAMES, RECIPES, build_recipe, workload_model
 
@@ -106,11 +104,7 @@ def run(preset: Preset, device: str = "cpu") -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="smoke")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
-    print(json.dumps(run(PRESETS[args.preset], args.device), indent=1))
+    workload_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":
