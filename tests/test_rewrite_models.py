@@ -20,13 +20,7 @@ LOW_DTYPES = [torch.bfloat16, torch.float16]
 TOLERANCE = {torch.bfloat16: 0.03, torch.float16: 0.005}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: threads only add contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class MLP(nn.Module):

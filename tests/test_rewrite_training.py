@@ -11,14 +11,7 @@ from mixprec.data import load_digits
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.rewrite import enable_mixed_precision_graph_rewrite
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: threads only add contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class DigitsMLP(nn.Module):

@@ -7,7 +7,8 @@ this module reads ``VmHWM`` (the same high-water mark, per address space) from
 ``/proc/self/status``, resets it with ``/proc/self/clear_refs``, and falls back to
 ``ru_maxrss`` where ``/proc`` is absent.
 
->>> peak_rss_mib() >= current_rss_mib() > 0
+>>> current = current_rss_mib(); peak = peak_rss_mib()
+>>> peak >= current > 0
 True
 """
 
@@ -30,11 +31,12 @@ def proc_status_mib(field: str) -> float | None:
     """A ``Vm*`` field (``VmRSS``, ``VmHWM``) of ``/proc/self/status`` in MiB, or None."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 2**10
-    except OSError:
-        pass
+            lines = f.readlines()
+    except OSError:  # no /proc: not Linux
+        return None
+    for line in lines:
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 2**10
     return None
 
 
@@ -46,8 +48,10 @@ def current_rss_mib() -> float:
 
 def peak_rss_mib() -> float:
     """The resident-set high-water mark of this address space, in MiB."""
-    hwm = proc_status_mib("VmHWM")
-    return hwm if hwm is not None else max_rss_mib()
+    hwm, rss = proc_status_mib("VmHWM"), proc_status_mib("VmRSS")
+    if hwm is None or rss is None:
+        return max_rss_mib()
+    return max(hwm, rss)  # the kernel raises VmHWM lazily: it may trail VmRSS
 
 
 def reset_peak_rss() -> bool:
