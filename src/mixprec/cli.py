@@ -152,7 +152,9 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mixprec", description="Mixed-precision training for PyTorch.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="{train,compare}"
+    )
     train = sub.add_parser(
         "train",
         help="train a model and write metrics, plots and checkpoints",
