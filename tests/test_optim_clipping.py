@@ -56,6 +56,18 @@ def mse(model, x, y) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def step_side_by_side(model, opt, ref, ref_opt, seeds) -> None:
+    """One batch per seed: the wrapper on ``model``, a plain optimizer on ``ref``."""
+    for seed in seeds:
+        x, y = batch(seed=seed)
+        opt.scale_loss(mse(model, x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+        mse(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+
 # -- clipnorm: per-parameter -----------------------------------------------------------
 
 
@@ -297,14 +309,7 @@ def test_weight_decay_on_adam_equals_adamw(kind):
         torch.optim.Adam(model.parameters(), lr=lr), loss_scale=KINDS[kind](), weight_decay=wd
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=wd)
-    for step in range(4):
-        x, y = batch(seed=10 + step)
-        opt.scale_loss(mse(model, x, y)).backward()
-        opt.step()
-        opt.zero_grad()
-        mse(ref, x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    step_side_by_side(model, opt, ref, ref_opt, range(10, 14))
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
     # The decay did something: plain Adam ends elsewhere.
@@ -328,14 +333,7 @@ def test_wrapping_adamw_keeps_its_own_decoupled_weight_decay(fused):
     assert inner.param_groups[0]["decoupled_weight_decay"] is True
     assert opt.decoupled_weight_decay is None and opt.weight_decay == 0.3
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.3, fused=fused)
-    for step in range(3):
-        x, y = batch(seed=30 + step)
-        opt.scale_loss(mse(model, x, y)).backward()
-        opt.step()
-        opt.zero_grad()
-        mse(ref, x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    step_side_by_side(model, opt, ref, ref_opt, range(30, 33))
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
     assert inner.param_groups[0]["decoupled_weight_decay"] is True
@@ -390,14 +388,7 @@ def test_loss_scale_factor_scales_the_loss_and_is_removed_from_the_gradients(kin
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     one = torch.tensor(1.0)
     assert float(opt.scale_loss(one)) == float(opt.loss_scale) * factor
-    for step in range(3):
-        x, y = batch(seed=20 + step)
-        opt.scale_loss(mse(model, x, y)).backward()
-        opt.step()
-        opt.zero_grad()
-        mse(ref, x, y).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    step_side_by_side(model, opt, ref, ref_opt, range(20, 23))
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
