@@ -1,6 +1,6 @@
 """Workload 5: accuracy parity on the digits task, every recipe against float32.
 
-LeNet-5 on the embedded 8x8 digits (``mixprec.data.load_digits``: 1,438 training
+LeNet-5 on the embedded 8x8 digits (``mixprec.train.data.load_digits``: 1,438 training
 and 359 test images, stratified split with seed 0), AdamW at lr 1e-2 decaying
 linearly to 0, batch 64, the same number of steps for every recipe. One run per
 seed (0, 1, 2 in the full suite); a seed fixes the initial weights and the batch
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks._common import Preset, low_dtypes, workload_main
 from benchmarks.recipes import DTYPE_NAMES, RECIPES, build_recipe, workload_model
-from mixprec.data import load_digits
+from mixprec.train.data import load_digits
 
 __all__ = ["PARITY_POINTS", "train_and_test", "run"]
 

@@ -57,7 +57,8 @@ from benchmarks._common import (
     summarize,
     workload_parser,
 )
-from mixprec.models import MLP
+from mixprec.train.models import MLP
+from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer
 
 __all__ = [
@@ -163,7 +164,7 @@ class ScalingTrainer:
             self.scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=INIT_SCALE)
             self.opt: torch.optim.Optimizer = inner
         elif variant == "mixprec":
-            self.opt = LossScaleOptimizer(inner, initial_scale=INIT_SCALE)
+            self.opt = LossScaleOptimizer(inner, DynamicLossScale(initial_scale=INIT_SCALE))
         else:
             self.opt = inner
         self.saved_grads: list[torch.Tensor] = []

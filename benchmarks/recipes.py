@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.models import LeNet5, TransformerClassifier
+from mixprec.train.models import LeNet5, TransformerClassifier
 
 __all__ = ["RECIPES", "Recipe", "build_recipe", "make_optimizer", "workload_model"]
 

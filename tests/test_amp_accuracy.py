@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import amp
-from mixprec.data import load_digits
-from mixprec.models import MLP, LeNet5
+from mixprec.train.data import load_digits
+from mixprec.train.models import MLP, LeNet5
 
 RUNS = [(level, dtype) for level in ("O1", "O2", "O3") for dtype in (torch.bfloat16, torch.float16)]
 

@@ -192,7 +192,7 @@ def test_loss_scale_argument_forms():
     ls = StaticLossScale(64.0)
     assert make_zoo("O1", torch.bfloat16, loss_scale=ls)[1].loss_scaler is ls
     assert float(make_zoo("O1", torch.bfloat16, loss_scale=256)[1].loss_scale) == 256.0
-    assert make_zoo("O3", torch.float16, loss_scale="dynamic")[1].dynamic
+    assert isinstance(make_zoo("O3", torch.float16, loss_scale="dynamic")[1].loss_scaler, DynamicLossScale)
 
 
 @pytest.mark.parametrize(

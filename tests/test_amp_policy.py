@@ -213,40 +213,34 @@ class CastCounter(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_weights_are_cast_once_per_step_and_refreshed_after_it(fused):
+def test_weights_are_cast_once_per_forward_and_never_stale(fused):
     torch.manual_seed(0)
-    lin = nn.Linear(6, 7)
-    amp.set_policy(lin, "p=f32,c=bf16,o=f32")
+    lin = nn.Linear(6, 6)
+    model = nn.Sequential(lin, nn.Tanh(), lin)  # one weight, used twice per forward
+    amp.set_policy(model, "p=f32,c=bf16,o=f32")
     opt = torch.optim.Adam(lin.parameters(), lr=0.1, fused=fused, foreach=None if fused else True)
     x = torch.randn(3, 6)
     counter = CastCounter(lin.weight.shape)
     with counter:
-        for _ in range(3):  # gradient accumulation: three forwards, one step
-            lin(x).sum().backward()
-    assert counter.count == 1
+        model(x).sum().backward()
+    assert counter.count == 1  # reused within the forward pass
     with counter, torch.no_grad():
-        lin(x)  # evaluation reuses the training cast
-    assert counter.count == 1
-    opt.step()  # fused Adam updates without a version bump: the step hook expires it
+        model(x)
+    assert counter.count == 2  # a new pass casts again: nothing outlives a forward
+
+    def expected():
+        w, b = lin.weight.bfloat16(), lin.bias.bfloat16()
+        return F.linear(torch.tanh(F.linear(x.bfloat16(), w, b)), w, b).float()
+
+    opt.step()  # fused Adam updates without a version bump: the next pass sees it
     with counter:
-        out = lin(x)
-    assert counter.count == 2
-    torch.testing.assert_close(
-        out, F.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16()).float()
-    )
-    with torch.no_grad():
-        lin.weight.mul_(2.0)  # an in-place update bumps the version
+        out = model(x)
+    torch.testing.assert_close(out, expected())
+    lin.weight.data.mul_(2.0)  # .data edits are invisible to version counters
     with counter:
-        lin(x)
-    assert counter.count == 3
-    lin.weight.data.mul_(2.0)  # .data edits are invisible: invalidate explicitly
-    amp.invalidate_cast_cache()
-    with counter:
-        out = lin(x)
+        out = model(x)
+    torch.testing.assert_close(out, expected())
     assert counter.count == 4
-    torch.testing.assert_close(
-        out, F.linear(x.bfloat16(), lin.weight.bfloat16(), lin.bias.bfloat16()).float()
-    )
 
 
 def test_inference_mode_casts_are_not_reused_for_training():

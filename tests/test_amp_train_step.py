@@ -1,4 +1,4 @@
-"""build_train_network / TrainStep: MindSpore's TrainOneStep(WithLossScale)Cell in PyTorch."""
+"""TrainStep, and MindSpore's build_train_network / TrainOneStepCell over it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec import amp
+from mixprec.compat import mindspore as ms
+from mixprec.train import TrainStep
 from mixprec.loss_scale import DynamicLossScale, StaticLossScale
-from mixprec.managers import DynamicLossScaleManager, FixedLossScaleManager
+from mixprec.compat.mindspore.managers import DynamicLossScaleManager, FixedLossScaleManager
 from mixprec.optim import LossScaleOptimizer
 
 
@@ -39,7 +41,7 @@ def data(seed=1, n=32):
 )
 def test_train_step_learns_and_returns_a_float32_loss(level, dtype):
     model = net()
-    step = amp.build_train_network(
+    step = ms.build_train_network(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
         F.cross_entropy,
@@ -55,7 +57,7 @@ def test_train_step_learns_and_returns_a_float32_loss(level, dtype):
 
 def test_overflowing_float16_step_is_skipped_and_the_scale_backs_off():
     model = net()
-    step = amp.build_train_network(
+    step = ms.build_train_network(
         model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, "O2"
     )
     assert isinstance(step.optimizer.loss_scaler, DynamicLossScale)
@@ -75,10 +77,8 @@ def test_sens_step_equals_the_unscaled_step():
     # The seed's CustomTrainOneStepCell: grads of d(loss)*sens, multiplied by 1/sens.
     x, y = data()
     plain, scaled = net(), net()
-    a = amp.TrainStep(plain, torch.optim.SGD(plain.parameters(), lr=0.1), F.cross_entropy)
-    b = amp.TrainStep(
-        scaled, torch.optim.SGD(scaled.parameters(), lr=0.1), F.cross_entropy, sens=1024.0
-    )
+    a = TrainStep(plain, torch.optim.SGD(plain.parameters(), lr=0.1), F.cross_entropy)
+    b = ms.CustomTrainOneStepCell(scaled, torch.optim.SGD(scaled.parameters(), lr=0.1), 1024.0, loss_fn=F.cross_entropy)
     for _ in range(3):
         torch.testing.assert_close(a(x, y), b(x, target=y))
     for p, q in zip(plain.parameters(), scaled.parameters()):
@@ -86,14 +86,14 @@ def test_sens_step_equals_the_unscaled_step():
 
 
 def test_scale_grad_is_the_override_point():
-    class KeepSens(amp.TrainStep):  # MindSpore's base TrainOneStepCell keeps the factor
+    class KeepSens(ms.CustomTrainOneStepCell):  # MindSpore's base TrainOneStepCell keeps it
         def scale_grad(self, grads):
             pass
 
     x, y = data()
     a, b = net(), net()
-    keep = KeepSens(a, torch.optim.SGD(a.parameters(), lr=0.0), F.cross_entropy, sens=4.0)
-    undo = amp.TrainStep(b, torch.optim.SGD(b.parameters(), lr=0.0), F.cross_entropy, sens=4.0)
+    keep = KeepSens(a, torch.optim.SGD(a.parameters(), lr=0.0), 4.0, loss_fn=F.cross_entropy)
+    undo = ms.CustomTrainOneStepCell(b, torch.optim.SGD(b.parameters(), lr=0.0), 4.0, loss_fn=F.cross_entropy)
     keep(x, y)
     undo(x, y)
     torch.testing.assert_close(a[0].weight.grad, 4.0 * b[0].weight.grad)
@@ -115,7 +115,7 @@ def test_network_with_its_own_loss_and_sens_on_a_low_precision_model():
     model, opt = amp.initialize(
         model, torch.optim.SGD(model.parameters(), lr=0.1), "O3", torch.bfloat16
     )
-    step = amp.TrainStep(model, opt, None, sens=128.0)
+    step = ms.CustomTrainOneStepCell(model, opt, 128.0)
     x, y = data()
     first = step(x, y)
     for _ in range(20):
@@ -125,7 +125,7 @@ def test_network_with_its_own_loss_and_sens_on_a_low_precision_model():
 
 def test_loss_scale_manager_forms():
     model = net()
-    step = amp.build_train_network(
+    step = ms.build_train_network(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         F.cross_entropy,
@@ -135,17 +135,17 @@ def test_loss_scale_manager_forms():
     assert isinstance(step.optimizer.loss_scaler, StaticLossScale)
     assert float(step.optimizer.loss_scale) == 64.0 and step.optimizer.skip_nonfinite is False
     model = net()
-    step = amp.build_train_network(
+    step = ms.build_train_network(
         model,
         torch.optim.SGD(model.parameters(), lr=0.1),
         F.cross_entropy,
         "O1",
         DynamicLossScaleManager(init_loss_scale=2.0**10, scale_window=50),
     )
-    assert step.optimizer.dynamic and float(step.optimizer.loss_scale) == 1024.0
+    assert isinstance(step.optimizer.loss_scaler, DynamicLossScale) and float(step.optimizer.loss_scale) == 1024.0
     assert step.optimizer.loss_scaler.growth_interval == 50
     model = net()
-    step = amp.build_train_network(
+    step = ms.build_train_network(
         model, torch.optim.SGD(model.parameters(), lr=0.1), F.cross_entropy, "O0", 8
     )
     assert float(step.optimizer.loss_scale) == 8.0 and model[0].weight.dtype == torch.float32
@@ -155,27 +155,27 @@ def test_bad_arguments():
     model = net()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="-1"):
-        amp.TrainStep(model, sgd, F.cross_entropy, sens=-1)
+        ms.CustomTrainOneStepCell(model, sgd, -1, loss_fn=F.cross_entropy)
     with pytest.raises(TypeError, match="sens"):
-        amp.TrainStep(model, sgd, F.cross_entropy, sens=True)
+        ms.CustomTrainOneStepCell(model, sgd, True, loss_fn=F.cross_entropy)
     with pytest.raises(ValueError, match="already scales"):
-        amp.TrainStep(model, LossScaleOptimizer(sgd), F.cross_entropy, sens=8.0)
+        ms.CustomTrainOneStepCell(model, LossScaleOptimizer(sgd), 8.0, loss_fn=F.cross_entropy)
     with pytest.raises(TypeError, match="loss_fn"):
-        amp.TrainStep(model, sgd, "mse")
+        TrainStep(model, sgd, "mse")
     with pytest.raises(TypeError, match="optimizer"):
-        amp.build_train_network(model, "sgd", F.cross_entropy, "O1")
-    step = amp.TrainStep(model, sgd, F.cross_entropy)
+        ms.build_train_network(model, "sgd", F.cross_entropy, "O1")
+    step = TrainStep(model, sgd, F.cross_entropy)
     x, y = data()
     with pytest.raises(TypeError, match="target"):
         step(x)
     with pytest.raises(TypeError, match="unexpected keyword"):
         step(x, y, labels=y)
-    bad = amp.TrainStep(model, sgd, lambda out, t: out)
+    bad = TrainStep(model, sgd, lambda out, t: out)
     with pytest.raises(ValueError, match="one-element"):
         bad(x, y)
     before = [(p.dtype, p.detach().clone()) for p in model.parameters()]
     with pytest.raises(ValueError, match="O5"):
-        amp.build_train_network(model, sgd, F.cross_entropy, "O5")
+        ms.build_train_network(model, sgd, F.cross_entropy, "O5")
     assert all(
         p.dtype == d and torch.equal(p.detach(), v) for p, (d, v) in zip(model.parameters(), before)
     )

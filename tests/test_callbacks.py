@@ -1,4 +1,4 @@
-"""Tests for mixprec.callbacks, driven by a small scripted trainer loop."""
+"""Tests for mixprec.train.callbacks, driven by a small scripted trainer loop."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec.callbacks import (
+from mixprec.train.callbacks import (
     Callback,
     CallbackList,
     CSVLogger,
@@ -89,7 +89,7 @@ def test_loss_monitor_formats_like_float32_and_rejects_negative_period():
     out = io.StringIO()
     LossMonitor(file=out).on_step_end(RunState(epoch=3, step=1, step_in_epoch=1, loss=float("inf")))
     assert out.getvalue() == "epoch: 3 step: 1, loss is inf\n"
-    with pytest.raises(ValueError, match="per_print_times must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="per_print_times must be an integer >= 0, got -1"):
         LossMonitor(per_print_times=-1)
 
 
@@ -265,9 +265,11 @@ def test_early_stopping_missing_metric_and_bad_arguments():
         ValueError, match=r"monitors 'val_loss', which is not among this epoch's metrics \['loss'\]"
     ):
         drive([EarlyStopping(monitor="val_loss")], [[1.0]])
-    with pytest.raises(ValueError, match="mode must be 'min' or 'max', got 'auto'"):
+    with pytest.raises(ValueError, match="mode must be one of 'min', 'max', got 'auto'"):
         EarlyStopping(mode="auto")
-    with pytest.raises(ValueError, match="patience must be an int >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match="patience must be an integer >= 1, got 0; pass e.g. patience=3"
+    ):
         EarlyStopping(patience=0)
     with pytest.raises(ValueError, match="min_delta must be a number >= 0, got -0.1"):
         EarlyStopping(min_delta=-0.1)
@@ -339,9 +341,9 @@ def test_model_checkpoint_rejects_bad_arguments(tmp_path):
         ModelCheckpoint(tmp_path, filename="{loss}.pt")
     with pytest.raises(ValueError, match="must name a file inside directory"):
         ModelCheckpoint(tmp_path, filename="sub/{epoch}.pt")
-    with pytest.raises(ValueError, match="every_n_epochs must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="every_n_epochs must be an integer >= 1, got 0"):
         ModelCheckpoint(tmp_path, every_n_epochs=0)
-    with pytest.raises(ValueError, match="keep_last must be None or an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="keep_last must be an integer >= 1 or None, got 0"):
         ModelCheckpoint(tmp_path, keep_last=0)
     with pytest.raises(TypeError, match="directory must be a str or Path, got int"):
         ModelCheckpoint(3)
@@ -387,7 +389,8 @@ def test_callback_list_calls_hooks_in_order_and_checks_types():
     ]
     with pytest.raises(
         TypeError,
-        match="must be mixprec.callbacks.Callback instances, got builtin_function_or_method",
+        match=r"callbacks\[0\] must be a mixprec.train.callbacks.Callback, "
+        "got builtin_function_or_method",
     ):
         CallbackList([print])
     cbs = CallbackList([LossMonitor(), EarlyStopping()])
@@ -395,9 +398,9 @@ def test_callback_list_calls_hooks_in_order_and_checks_types():
 
 
 def test_callbacks_follow_a_real_lenet5_training_run(tmp_path, capsys):
-    from mixprec.data import train_test_loaders
-    from mixprec.metrics import Accuracy
-    from mixprec.models import LeNet5
+    from mixprec.train.data import train_test_loaders
+    from mixprec.train.metrics import Accuracy
+    from mixprec.train.models import LeNet5
 
     torch.manual_seed(0)
     train, test = train_test_loaders(batch_size=256, seed=0)

@@ -14,7 +14,7 @@ import torch
 from matplotlib.image import imread
 
 from mixprec.cli import main
-from mixprec.plots import read_plot_data
+from mixprec.train.plots import read_plot_data
 
 FAST = ["--quiet", "--threads", "1"]
 
@@ -108,15 +108,15 @@ def test_resume_gives_the_same_final_weights(tmp_path, monkeypatch):
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["train", "--out", str(full), *common]) == 0
 
-    import mixprec.cli
+    import mixprec.cli.train
 
-    class DiesAfterEpoch2(mixprec.cli.ModelCheckpoint):
+    class DiesAfterEpoch2(mixprec.cli.train.ModelCheckpoint):
         def on_epoch_end(self, state):
             super().on_epoch_end(state)
             if state.epoch == 2:
                 raise Interrupted  # the machine went away after epoch 2's checkpoint
 
-    monkeypatch.setattr(mixprec.cli, "ModelCheckpoint", DiesAfterEpoch2)
+    monkeypatch.setattr(mixprec.cli.train, "ModelCheckpoint", DiesAfterEpoch2)
     with pytest.raises(Interrupted):
         main(["train", "--out", str(part), *common])
     monkeypatch.undo()

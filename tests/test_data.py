@@ -1,4 +1,4 @@
-"""Tests for mixprec.data: the embedded digits, file loaders and seeded loaders."""
+"""Tests for mixprec.train.data: the embedded digits, file loaders and seeded loaders."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from mixprec.data import (
+from mixprec.train.data import (
     DIGITS_NUM_CLASSES,
     DataError,
     DataFileNotFoundError,
@@ -95,10 +95,10 @@ def test_digits_returns_fresh_tensors():
     ("kwargs", "exc", "needle"),
     [
         ({"split": "valid"}, ValueError, "split must be one of"),
-        ({"test_fraction": 0.0}, ValueError, "test_fraction must be in (0, 1), got 0.0"),
+        ({"test_fraction": 0.0}, ValueError, "test_fraction must be a number in (0, 1), got 0.0"),
         ({"test_fraction": 1.5}, ValueError, "got 1.5"),
-        ({"test_fraction": "0.2"}, TypeError, "test_fraction must be a float"),
-        ({"seed": 1.5}, TypeError, "seed must be an int"),
+        ({"test_fraction": "0.2"}, TypeError, "test_fraction must be a finite number, got '0.2'"),
+        ({"seed": 1.5}, TypeError, "seed must be a finite integer, got 1.5"),
     ],
 )
 def test_digits_rejects_bad_arguments(kwargs, exc, needle):
@@ -337,9 +337,17 @@ def test_make_loaders_batches_and_drop_last():
     ("args", "exc", "needle"),
     [
         ((torch.zeros(4, 2), torch.zeros(3), 2), ValueError, "same number of samples"),
-        ((np.zeros((4, 2)), torch.zeros(4), 2), TypeError, "must be torch.Tensor, got ndarray"),
-        ((torch.zeros(4, 2), torch.zeros(4), 0), ValueError, "batch_size must be >= 1, got 0"),
-        ((torch.zeros(4, 2), torch.zeros(4), 2.0), TypeError, "batch_size must be a positive int"),
+        ((np.zeros((4, 2)), torch.zeros(4), 2), TypeError, "x must be a torch.Tensor, got ndarray"),
+        (
+            (torch.zeros(4, 2), torch.zeros(4), 0),
+            ValueError,
+            "batch_size must be an integer >= 1, got 0",
+        ),
+        (
+            (torch.zeros(4, 2), torch.zeros(4), 2.0),
+            TypeError,
+            "batch_size must be an integer >= 1, got 2.0",
+        ),
     ],
 )
 def test_make_loaders_rejects_bad_input(args, exc, needle):
@@ -363,5 +371,5 @@ def test_train_test_loaders_on_own_data_and_argument_checks():
     assert len(train.dataset) == 30 and len(test.dataset) == 10
     with pytest.raises(ValueError, match="pass both x and y"):
         train_test_loaders(x, batch_size=4)
-    with pytest.raises(ValueError, match="eval_batch_size must be >= 1"):
+    with pytest.raises(ValueError, match="eval_batch_size must be an integer >= 1, got 0"):
         train_test_loaders(batch_size=4, eval_batch_size=0)

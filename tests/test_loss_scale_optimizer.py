@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mixprec.compat import tf
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
-from mixprec.syncs import HostSyncCounter
+from mixprec.tools.syncs import HostSyncCounter
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:
@@ -46,7 +47,7 @@ def assert_same(a, b):
 
 def test_seed_minimize_then_manual_path():
     var = torch.tensor(1.0, requires_grad=True)
-    opt = LossScaleOptimizer(torch.optim.SGD([var], lr=0.25))
+    opt = tf.LossScaleOptimizer(torch.optim.SGD([var], lr=0.25))
     loss_fn = lambda: var**2  # noqa: E731
     opt.minimize(loss_fn, var_list=var)
     assert var.item() == 0.5
@@ -77,41 +78,44 @@ def test_hyperparameters_delegate_and_others_do_not():
 
 def test_attributes_follow_the_seed():
     w = torch.zeros(1, requires_grad=True)
-    dyn = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0))
+    dyn = tf.LossScaleOptimizer(torch.optim.SGD([w], lr=1.0))
     assert dyn.dynamic and dyn.initial_scale == 2.0**15 and dyn.dynamic_growth_steps == 2000
     assert int(dyn.dynamic_counter) == 0 and dyn.loss_scale.dtype == torch.float32
-    static = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), dynamic=False, initial_scale=128)
+    static = tf.LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), dynamic=False, initial_scale=128)
     assert not static.dynamic and static.dynamic_counter is None
     assert static.dynamic_growth_steps is None and float(static.loss_scale) == 128.0
-    custom = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), loss_scale=NoOpLossScale())
+    custom = tf.LossScaleOptimizer._with_loss_scale(torch.optim.SGD([w], lr=1.0), NoOpLossScale())
     assert float(custom.loss_scale) == 1.0 and not custom.dynamic
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, match",
+    "cls, kwargs, error, match",
     [
-        ({"dynamic": False}, ValueError, "initial_scale"),
+        (tf.LossScaleOptimizer, {"dynamic": False}, ValueError, "initial_scale"),
         (
+            tf.LossScaleOptimizer,
             {"dynamic": False, "initial_scale": 8.0, "dynamic_growth_steps": 10},
             ValueError,
             "dynamic_growth_steps",
         ),
-        ({"initial_scale": -1.0}, ValueError, "initial_scale"),
-        ({"initial_scale": 0}, ValueError, "initial_scale"),
-        ({"dynamic_growth_steps": 1.5}, TypeError, "growth_interval"),
-        ({"dynamic_growth_steps": 0}, ValueError, "growth_interval"),
-        ({"dynamic": "yes"}, TypeError, "dynamic"),
-        ({"loss_scale": 128.0}, TypeError, "loss_scale"),
-        ({"loss_scale": StaticLossScale(4.0), "initial_scale": 8.0}, ValueError, "only one"),
-        ({"initial_scale": 2.0**30}, ValueError, "ceiling"),
+        (tf.LossScaleOptimizer, {"initial_scale": -1.0}, ValueError, "initial_scale"),
+        (tf.LossScaleOptimizer, {"initial_scale": 0}, ValueError, "initial_scale"),
+        (tf.LossScaleOptimizer, {"dynamic_growth_steps": 1.5}, TypeError, "dynamic_growth_steps"),
+        (tf.LossScaleOptimizer, {"dynamic_growth_steps": 0}, ValueError, "dynamic_growth_steps"),
+        (tf.LossScaleOptimizer, {"dynamic": "yes"}, TypeError, "dynamic"),
+        (LossScaleOptimizer, {"loss_scale": "static"}, ValueError, "loss_scale"),
+        (LossScaleOptimizer, {"loss_scale": -1.0}, ValueError, "loss_scale"),
+        (LossScaleOptimizer, {"loss_scale": True}, TypeError, "loss_scale"),
+        (LossScaleOptimizer, {"clipnorm": 0.0}, ValueError, "clipnorm"),
+        (LossScaleOptimizer, {"master_weights": 1}, TypeError, "master_weights"),
     ],
 )
-def test_constructor_validation(kwargs, error, match):
+def test_constructor_validation(cls, kwargs, error, match):
     w = torch.zeros(1, requires_grad=True)
     inner = torch.optim.SGD([w], lr=1.0)
     groups_before = copy.deepcopy(inner.param_groups)
     with pytest.raises(error, match=match):
-        LossScaleOptimizer(inner, **kwargs)
+        cls(inner, **kwargs)
     assert inner.param_groups[0]["lr"] == groups_before[0]["lr"]
     assert inner.param_groups[0]["params"][0] is w
 
@@ -127,7 +131,7 @@ def test_inner_must_be_an_optimizer():
 def test_apply_gradients_rejects_unknown_params_and_changes_nothing():
     w = torch.ones(2, requires_grad=True)
     stranger = torch.ones(3, requires_grad=True)
-    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0))
+    opt = tf.LossScaleOptimizer(torch.optim.SGD([w], lr=1.0))
     scale_before = opt.loss_scale.clone()
     with pytest.raises(ValueError, match="does not hold"):
         opt.apply_gradients([(torch.ones(2), w), (torch.ones(3), stranger)])
@@ -150,7 +154,7 @@ def test_skipped_step_changes_nothing(kind, fused):
         if kind == "sgd"
         else torch.optim.Adam(params, lr=1e-2, fused=fused)
     )
-    opt = LossScaleOptimizer(inner, initial_scale=1024.0)
+    opt = LossScaleOptimizer(inner, DynamicLossScale(initial_scale=1024.0))
     x, y = batch()
     opt.scale_loss(F.mse_loss(model(x), y)).backward()
     opt.step()
@@ -161,7 +165,7 @@ def test_skipped_step_changes_nothing(kind, fused):
     opt.step()
     assert_same(before, snapshot(model, opt))
     assert bool(opt.last_step_skipped) and int(opt.skipped_steps) == 1 and int(opt.iterations) == 1
-    assert float(opt.loss_scale) == 512.0 and int(opt.dynamic_counter) == 0
+    assert float(opt.loss_scale) == 512.0 and int(opt.loss_scaler.counter) == 0
     # ...and the next finite step applies again.
     opt.zero_grad()
     opt.scale_loss(F.mse_loss(model(x), y)).backward()
@@ -192,7 +196,7 @@ def count_step_syncs(inner_factory) -> dict[str, int]:
                 scaler.step(inner)
                 scaler.update()
         elif mode == "mixprec":
-            opt = LossScaleOptimizer(inner, initial_scale=1024.0)
+            opt = LossScaleOptimizer(inner, DynamicLossScale(initial_scale=1024.0))
             opt.scale_loss(loss).backward()
             with HostSyncCounter() as syncs:
                 opt.step()
@@ -269,8 +273,8 @@ def test_state_dict_resume_is_bit_exact(loss_scale):
 
 def test_load_state_dict_rejects_mismatch_and_changes_nothing():
     w = torch.ones(2, requires_grad=True)
-    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), initial_scale=8.0)
-    other = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), dynamic=False, initial_scale=2.0)
+    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), DynamicLossScale(initial_scale=8.0))
+    other = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), 2.0)
     with pytest.raises(ValueError, match="loss scale"):
         opt.load_state_dict(other.state_dict())
     with pytest.raises(ValueError, match="not a LossScaleOptimizer state dict"):
@@ -283,7 +287,7 @@ def test_load_state_dict_rejects_mismatch_and_changes_nothing():
 
 def test_lr_scheduler_and_clip_grad_norm_work_on_the_wrapper():
     model = make_model()
-    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), initial_scale=4.0)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), DynamicLossScale(initial_scale=4.0))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x, y = batch()
     opt.scale_loss(F.mse_loss(model(x), y)).backward()
@@ -296,7 +300,7 @@ def test_lr_scheduler_and_clip_grad_norm_work_on_the_wrapper():
 
 def test_several_backward_passes_before_one_step():
     w = torch.zeros(3, requires_grad=True)
-    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), initial_scale=2.0**10)
+    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), DynamicLossScale(initial_scale=2.0**10))
     for k in (1.0, 2.0):
         opt.scale_loss((w * k).sum()).backward()
     opt.step()
@@ -305,7 +309,7 @@ def test_several_backward_passes_before_one_step():
 
 def test_closure_is_evaluated():
     w = torch.ones(2, requires_grad=True)
-    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.5), initial_scale=16.0)
+    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.5), DynamicLossScale(initial_scale=16.0))
 
     def closure():
         opt.zero_grad()
@@ -403,7 +407,7 @@ def test_float16_underflow_is_rescued_by_dynamic_loss_scaling():
     fp16_loss, fp16_zeros = train(HalfMLP(), adam)
     scaled_loss, scaled_zeros = train(
         HalfMLP(),
-        lambda p: LossScaleOptimizer(torch.optim.Adam(p, lr=1e-2), dynamic_growth_steps=50),
+        lambda p: LossScaleOptimizer(torch.optim.Adam(p, lr=1e-2), DynamicLossScale(growth_interval=50)),
     )
     initial_loss, _ = train(HalfMLP(), adam, steps=0)
     print(

@@ -1,4 +1,4 @@
-"""Tests for mixprec.metrics against hand-computed values."""
+"""Tests for mixprec.train.metrics against hand-computed values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mixprec.metrics import METRIC_NAMES, Accuracy, Loss, Metric, TopKAccuracy, build_metric
+from mixprec.train.metrics import METRIC_NAMES, Accuracy, Loss, Metric, TopKAccuracy, build_metric
 
 # Three samples, four classes. Ranks of each row's logits, largest first:
 # row 0: 1, 3, 0, 2   row 1: 0, 2, 1, 3   row 2: 3, 2, 1, 0
@@ -77,11 +77,11 @@ def test_shape_and_type_errors_name_what_was_received():
         Accuracy().update(LOGITS, TARGETS[:2])
     with pytest.raises(ValueError, match=r"logits must have shape \(N, C, ...\), got shape \(4,\)"):
         Accuracy().update(LOGITS[0], TARGETS[:1])
-    with pytest.raises(TypeError, match="must be torch.Tensor, got Tensor and list"):
+    with pytest.raises(TypeError, match=r"targets must be a torch.Tensor, got list \[1, 2, 0\]"):
         Accuracy().update(LOGITS, [1, 2, 0])
     with pytest.raises(ValueError, match=r"k=5 exceeds the number of classes \(4\)"):
         TopKAccuracy(k=5).update(LOGITS, TARGETS)
-    with pytest.raises(ValueError, match="k must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="k must be an integer >= 1, got 0; pass e.g. k=5"):
         TopKAccuracy(k=0)
     with pytest.raises(ValueError, match="name must be a non-empty str"):
         Accuracy(name="")

@@ -1,4 +1,4 @@
-"""Tests for mixprec.models: shapes, the LeNet-5 layout, the registry, and training."""
+"""Tests for mixprec.train.models: shapes, the LeNet-5 layout, the registry, and training."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.data import train_test_loaders
-from mixprec.models import MLP, MODEL_NAMES, LeNet5, TransformerClassifier, build_model
+from mixprec.train.data import train_test_loaders
+from mixprec.train.models import MLP, MODEL_NAMES, LeNet5, TransformerClassifier, build_model
 
 
 @pytest.fixture(autouse=True)
@@ -61,11 +61,11 @@ def test_lenet5_fully_connected_init_is_normal_002_with_zero_bias():
 def test_lenet5_rejects_images_too_small_and_bad_arguments():
     with pytest.raises(ValueError, match="input_size=2 with padding=2 leaves no pixels"):
         LeNet5(input_size=2)
-    with pytest.raises(ValueError, match="num_classes must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_classes must be an integer >= 1, got 0"):
         LeNet5(num_classes=0)
-    with pytest.raises(TypeError, match="num_channels must be a positive int, got float"):
+    with pytest.raises(TypeError, match=r"num_channels must be an integer >= 1, got 1.0 \(float\)"):
         LeNet5(num_channels=1.0)
-    with pytest.raises(ValueError, match="padding must be an int >= 0"):
+    with pytest.raises(ValueError, match="padding must be an integer >= 0, got -1"):
         LeNet5(padding=-1)
 
 
@@ -78,7 +78,7 @@ def test_mlp_layers_and_linear_special_case():
     assert [type(m) for m in linear.layers] == [nn.Flatten, nn.Linear]
     with pytest.raises(TypeError, match="hidden must be a sequence"):
         MLP(hidden=128)
-    with pytest.raises(ValueError, match="each hidden width must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"hidden\[1\] must be an integer >= 1, got 0"):
         MLP(hidden=(8, 0))
 
 
@@ -94,7 +94,7 @@ def test_transformer_structure_and_checks():
         ValueError, match="d_model must be divisible by nhead, got d_model=30, nhead=4"
     ):
         TransformerClassifier(d_model=30, nhead=4)
-    with pytest.raises(ValueError, match="dropout must be in"):
+    with pytest.raises(ValueError, match=r"dropout must be a number in \[0, 1\), got 1.0"):
         TransformerClassifier(dropout=1.0)
 
 

@@ -174,7 +174,7 @@ def test_joint_step_applies_both_like_float32_and_counts_one_scale_step(kind):
     assert [int(opt_g.iterations), int(opt_d.iterations)] == [3, 3]
     if kind == "dynamic":  # growth_interval=2: one joint step is one step of the scale
         assert scales == [1024.0, 2048.0, 2048.0]
-        assert int(opt_g.dynamic_counter) == 1
+        assert int(opt_g.loss_scaler.counter) == 1
     else:
         assert scales == [scales[0]] * 3
 

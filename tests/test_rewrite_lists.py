@@ -2,7 +2,7 @@
 
 import pytest
 
-from mixprec.rewrite import ALLOW, CLEAR, DENY, INFER, LEVELS, AmpLists, normalize_op_name
+from mixprec.rewrite import ALLOW, CLEAR, DENY, INFER, PAINT_LEVELS, AmpLists, normalize_op_name
 from mixprec.rewrite.lists import check_level
 
 DEFAULTS = {"allow": ALLOW, "infer": INFER, "deny": DENY, "clear": CLEAR}
@@ -133,7 +133,7 @@ def test_env_override_errors():
 
 
 def test_levels():
-    assert set(LEVELS) == {"default", "treat_infer_as_deny", "allow_only", "unsafe_force_all"}
+    assert set(PAINT_LEVELS) == {"default", "treat_infer_as_deny", "allow_only", "unsafe_force_all"}
     assert check_level("default") == "default"
     with pytest.raises(ValueError, match="unknown level 'O1'; accepted levels: 'default'"):
         check_level("O1")

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.data import load_digits
+from mixprec.train.data import load_digits
 from mixprec.loss_scale import DynamicLossScale
-from mixprec.rewrite import enable_mixed_precision_graph_rewrite
+from mixprec.compat.tf import enable_mixed_precision_graph_rewrite
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,7 +55,7 @@ def train_and_test(model_cls, dtype=None, loss_scale="dynamic", epochs=12, lr=0.
     net, opt = model, optimizer
     if dtype is not None:
         net, opt = enable_mixed_precision_graph_rewrite(
-            model, optimizer, loss_scale, dtype, example_inputs=(x_train[:8],)
+            optimizer, loss_scale, model=model, dtype=dtype, example_inputs=(x_train[:8],)
         )
     steps = epochs * -(-len(x_train) // 64)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)

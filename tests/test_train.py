@@ -1,4 +1,5 @@
-"""mixprec.Model and the loss-scale managers: training, evaluation, resume, overflow policy."""
+"""mixprec.Model (and the MindSpore-named Model with its loss-scale managers): training,
+evaluation, resume, overflow policy."""
 
 from __future__ import annotations
 
@@ -8,17 +9,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mixprec import (
-    DynamicLossScale,
-    DynamicLossScaleManager,
-    FixedLossScaleManager,
-    LossMonitor,
-    Model,
-    ModelCheckpoint,
-    StaticLossScale,
-)
-from mixprec.data import make_loaders, train_test_loaders
-from mixprec.models import MLP
+from mixprec import DynamicLossScale, LossMonitor, Model, ModelCheckpoint, StaticLossScale
+from mixprec.compat.mindspore import DynamicLossScaleManager, FixedLossScaleManager
+from mixprec.compat.mindspore import Model as MindSporeModel
+from mixprec.train.data import make_loaders, train_test_loaders
+from mixprec.train.models import MLP
 
 
 def digits(batch_size=64):
@@ -88,7 +83,7 @@ class InjectInf(torch.nn.Module):
 def test_fixed_manager_drop_overflow_update(drop):
     net = InjectInf(bad_calls={2})
     data = [(torch.ones(8, 4), torch.zeros(8, dtype=torch.long))] * 3
-    model = Model(
+    model = MindSporeModel(
         net,
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
         amp_level="O0",
@@ -105,10 +100,32 @@ def test_fixed_manager_drop_overflow_update(drop):
     assert float(model.optimizer.loss_scale) == 1024.0
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_static_loss_scale_and_skip_nonfinite(skip):
+    net = InjectInf(bad_calls={2})
+    data = [(torch.ones(8, 4), torch.zeros(8, dtype=torch.long))] * 3
+    model = Model(
+        net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        amp_level="O0",
+        loss_scale=1024.0,
+        skip_nonfinite=skip,
+    )
+    model.train(1, data[:1])
+    before = net.fc.weight.detach().clone()
+    model.train(1, data[1:2])  # the overflowing step
+    after = net.fc.weight.detach()
+    if skip:
+        assert torch.equal(before, after) and int(model.optimizer.skipped_steps) == 1
+    else:
+        assert not torch.isfinite(after).all() and int(model.optimizer.skipped_steps) == 0
+    assert float(model.optimizer.loss_scale) == 1024.0
+
+
 def test_dynamic_manager_backs_off_on_overflow():
     net = InjectInf(bad_calls={1, 2})
     data = [(torch.ones(8, 4), torch.zeros(8, dtype=torch.long))] * 4
-    model = Model(
+    model = MindSporeModel(
         net,
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
         loss_scale_manager=DynamicLossScaleManager(init_loss_scale=2.0**10, scale_factor=4),
@@ -174,7 +191,7 @@ def test_resume_continues_exactly(tmp_path):
         train, _ = digits(batch_size=128)
         net = mlp()
         opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
-        return Model(
+        return MindSporeModel(
             net,
             optimizer=opt,
             amp_level="O2",
@@ -220,7 +237,8 @@ def test_resume_rejects_another_configuration(tmp_path):
         ({"dtype": torch.float64}, ValueError, "dtype"),
         ({"optimizer": "sgd"}, TypeError, "optimizer"),
         ({"metrics": ["f1"]}, ValueError, "metric"),
-        ({"loss_scale_manager": "huge"}, ValueError, "loss_scale"),
+        ({"loss_scale": "huge"}, ValueError, "loss_scale"),
+        ({"skip_nonfinite": "no"}, TypeError, "skip_nonfinite"),
     ],
 )
 def test_model_validation(kwargs, error, match):
@@ -249,6 +267,6 @@ def test_static_loss_scale_object_is_accepted():
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
         amp_level="O2",
         dtype=torch.bfloat16,
-        loss_scale_manager=StaticLossScale(256.0),
+        loss_scale=StaticLossScale(256.0),
     )
     assert float(model.optimizer.loss_scale) == 256.0 and model.optimizer.master_weights

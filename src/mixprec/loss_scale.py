@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
 
+from mixprec._checks import check_number
 from mixprec.numerics import unscale_and_check_
 
 __all__ = [
@@ -53,22 +53,8 @@ def _state_field(dtype: torch.dtype) -> Any:
     return dataclasses.field(init=False, repr=False, compare=False, metadata={"state": dtype})
 
 
-def _positive_number(name: str, value: Any, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a positive number, got {value!r} ({type(value).__name__})")
-    if not (math.isfinite(float(value)) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{name} must be a positive integer, got {value!r} ({type(value).__name__})"
-        )
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer (>= 1), got {value!r}")
+def _positive(name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:
+    check_number(name, value, integer=integer, minimum=0, exclusive=True, allow_none=allow_none)
 
 
 @dataclasses.dataclass(eq=False)
@@ -207,11 +193,6 @@ class LossScale:
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Advance the state machine by one step (no-op for fixed scales)."""
-        self.advance(found_inf)
-
-    def advance(self, found_inf: torch.Tensor) -> None:
-        """The transition itself. Optimizers call this, so that a subclass may give
-        ``update`` another signature (TensorFlow's ``update(grads)``) and still work."""
 
     def __repr__(self) -> str:
         config = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
@@ -243,7 +224,7 @@ class StaticLossScale(LossScale):
     kind: ClassVar[str] = "static"
 
     def _validate(self) -> None:
-        _positive_number("loss_scale", self.loss_scale)
+        _positive("loss_scale", self.loss_scale)
 
     def _initial_state(self) -> dict[str, float]:
         return {"scale": float(self.loss_scale)}
@@ -301,17 +282,15 @@ class DynamicLossScale(LossScale):
     kind: ClassVar[str] = "dynamic"
 
     def _validate(self) -> None:
-        _positive_number("initial_scale", self.initial_scale)
-        _positive_int("growth_interval", self.growth_interval)
-        _positive_int("hysteresis", self.hysteresis)
-        _positive_number("growth_factor", self.growth_factor)
-        _positive_number("backoff_factor", self.backoff_factor)
-        if self.growth_factor <= 1:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
+        _positive("initial_scale", self.initial_scale)
+        _positive("growth_interval", self.growth_interval, integer=True)
+        _positive("hysteresis", self.hysteresis, integer=True)
+        check_number("growth_factor", self.growth_factor, minimum=1, exclusive=True)
+        _positive("backoff_factor", self.backoff_factor)
         if self.backoff_factor >= 1:
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
-        _positive_number("min_scale", self.min_scale, allow_none=True)
-        _positive_number("max_scale", self.max_scale, allow_none=True)
+        _positive("min_scale", self.min_scale, allow_none=True)
+        _positive("max_scale", self.max_scale, allow_none=True)
         low = 0.0 if self.min_scale is None else self.min_scale
         high = math.inf if self.max_scale is None else self.max_scale
         if low > high:
@@ -327,7 +306,29 @@ class DynamicLossScale(LossScale):
     def _initial_state(self) -> dict[str, float]:
         return {"scale": float(self.initial_scale), "counter": 0, "inf_streak": 0}
 
-    def advance(self, found_inf: torch.Tensor) -> None:
+    @staticmethod
+    def symmetric_config(
+        initial_scale: float, growth_interval: int, factor: float
+    ) -> dict[str, Any]:
+        """The hyperparameters of the classic rule: multiply by ``factor`` after
+        ``growth_interval`` finite steps, divide by it on overflow, never below 1, no
+        ceiling (growth stops only where the scale would become infinite).
+
+        >>> DynamicLossScale(**DynamicLossScale.symmetric_config(8.0, 2, 4.0))
+        DynamicLossScale(initial_scale=8.0, growth_interval=2, growth_factor=4.0, \
+backoff_factor=0.25, min_scale=1.0, max_scale=None, hysteresis=1)
+        """
+        check_number("factor", factor, minimum=1, exclusive=True)
+        return {
+            "initial_scale": initial_scale,
+            "growth_interval": growth_interval,
+            "growth_factor": float(factor),
+            "backoff_factor": 1.0 / float(factor),
+            "min_scale": 1.0,
+            "max_scale": None,
+        }
+
+    def update(self, found_inf: torch.Tensor) -> None:
         """Apply the rule in the class docstring. Branch-free; no host sync.
 
         Written with in-place arithmetic on the state tensors (about 15 small kernels):
@@ -353,11 +354,6 @@ class DynamicLossScale(LossScale):
         self.scale.copy_(scale)
 
 
-_KINDS: dict[str, type[LossScale]] = {
-    cls.kind: cls for cls in (NoOpLossScale, StaticLossScale, DynamicLossScale)
-}
-
-
 def loss_scale_from_spec(spec: Any) -> LossScale:
     """Turn a user's loss-scale choice into a :class:`LossScale`.
 
@@ -375,10 +371,11 @@ def loss_scale_from_spec(spec: Any) -> LossScale:
         return NoOpLossScale()
     if spec == "dynamic":
         return DynamicLossScale()
-    if isinstance(spec, numbers.Real) and not isinstance(spec, bool):
-        _positive_number("loss_scale", spec)
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        _positive("loss_scale", spec)
         return StaticLossScale(float(spec))
-    raise ValueError(
-        f"loss_scale must be 'dynamic', 'none', a positive number or a LossScale object, "
-        f"got {spec!r}"
+    error = TypeError if not isinstance(spec, str) else ValueError
+    raise error(
+        f"loss_scale must be 'dynamic', 'none', None, a positive number or a "
+        f"mixprec.LossScale object, got {spec!r}"
     )

@@ -1,4 +1,4 @@
-"""Fused numerical kernels on lists of tensors: unscale + finite check, norms, statistics.
+"""Fused numerical kernels on lists of tensors: unscale + finite check, norms.
 
 Everything here works on lists of tensors at once, grouped by (device, dtype), so
 that a model with hundreds of parameters costs a handful of kernel launches, and
@@ -24,8 +24,8 @@ import torch
 __all__ = [
     "group_by_device_and_dtype",
     "unscale_and_check_",
+    "any_nonfinite",
     "global_norm",
-    "underflow_fraction",
 ]
 
 
@@ -77,6 +77,24 @@ def unscale_and_check_(
     return found_inf
 
 
+def any_nonfinite(tensors: Iterable[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """1.0 if any element of ``tensors`` is inf or NaN, else 0.0 (float32 on ``device``).
+
+    Reads only: one max-abs norm per (device, dtype) group, no copies. No host sync.
+
+    >>> any_nonfinite([torch.ones(2), torch.tensor([float("nan")])], torch.device("cpu"))
+    tensor(1.)
+    """
+    groups = group_by_device_and_dtype(t for t in tensors if t is not None and t.numel())
+    flags = [
+        torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all().logical_not()
+        for group in groups.values()
+    ]
+    if not flags:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack([f.to(device) for f in flags]).any().float()
+
+
 def global_norm(
     tensors: Iterable[torch.Tensor | None], device: torch.device | None = None
 ) -> torch.Tensor:
@@ -95,21 +113,3 @@ def global_norm(
         return torch.zeros((), dtype=torch.float32, device=device)
     target = partial[0].device if device is None else device
     return torch.linalg.vector_norm(torch.stack([p.to(target) for p in partial]), 2.0)
-
-
-def underflow_fraction(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
-    """Fraction of elements that are exactly zero, over all ``tensors`` (float32 scalar).
-
-    A health number for low-precision gradients: a fraction that jumps when the
-    loss scale drops means small gradients are flushing to zero.
-    """
-    zeros = None
-    total = 0
-    for group in group_by_device_and_dtype(tensors).values():
-        for t in group:
-            count = (t == 0).sum(dtype=torch.float32)
-            zeros = count if zeros is None else zeros + count.to(zeros.device)
-            total += t.numel()
-    if zeros is None or total == 0:
-        return torch.zeros((), dtype=torch.float32)
-    return zeros / total

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from mixprec.dtypes import DTYPE_NAMES, FLOATING, as_dtype, short_name
+
 __all__ = [
     "Policy",
     "PolicyLike",
@@ -56,26 +58,6 @@ __all__ = [
     "global_policy",
     "policy_scope",
 ]
-
-# Every spelling a dtype may take in a policy string; the first listed for a dtype
-# (see _SHORT) is the one ``str()`` prints.
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "f32": torch.float32,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "float": torch.float32,
-    "f16": torch.float16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "f64": torch.float64,
-    "fp64": torch.float64,
-    "float64": torch.float64,
-    "double": torch.float64,
-}
-_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
 
 _KEYS = {
     "p": "param_dtype",
@@ -102,29 +84,8 @@ POLICY_NAMES: tuple[str, ...] = tuple(_NAMED)
 
 _FIXES = (
     f"use one of {', '.join(repr(n) for n in POLICY_NAMES)}, or 'p=<dtype>,c=<dtype>,o=<dtype>' "
-    f"with dtypes {', '.join(sorted(set(_SHORT.values())))}"
+    f"with dtypes {', '.join(sorted(short_name(d) for d in FLOATING))}"
 )
-
-
-def _as_dtype(value: Any, what: str) -> torch.dtype:
-    """``value`` (a torch dtype or one of its spellings) as a floating torch dtype."""
-    if isinstance(value, torch.dtype):
-        if value not in _SHORT:
-            raise ValueError(
-                f"{what} must be a floating dtype ({', '.join(map(str, _SHORT))}), got {value}"
-            )
-        return value
-    if isinstance(value, str):
-        dtype = _DTYPE_NAMES.get(value.strip().lower())
-        if dtype is None:
-            raise ValueError(
-                f"{what}: unknown dtype {value!r}; accepted spellings: {', '.join(_DTYPE_NAMES)}"
-            )
-        return dtype
-    raise TypeError(
-        f"{what} must be a torch.dtype or a dtype name such as 'bf16', "
-        f"got {type(value).__name__} {value!r}"
-    )
 
 
 def _parse(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -132,8 +93,8 @@ def _parse(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     text = name.strip().lower()
     if text in _NAMED:
         return _NAMED[text]
-    if text in _DTYPE_NAMES:
-        return (_DTYPE_NAMES[text],) * 3
+    if text in DTYPE_NAMES:
+        return (DTYPE_NAMES[text],) * 3
     if "=" not in text:
         raise ValueError(f"unknown policy name {name!r}; {_FIXES}")
     found: dict[str, torch.dtype] = {}
@@ -148,7 +109,7 @@ def _parse(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         field = _KEYS[key]
         if field in found:
             raise ValueError(f"policy {name!r} gives the {field.split('_')[0]} dtype twice")
-        found[field] = _as_dtype(value, f"policy {name!r}")
+        found[field] = as_dtype(value, f"policy {name!r}")
     return _fill(found.get("param_dtype"), found.get("compute_dtype"), found.get("output_dtype"))
 
 
@@ -216,7 +177,7 @@ class Policy:
         if isinstance(name, Policy):
             dtypes = (name.param_dtype, name.compute_dtype, name.output_dtype)
         elif isinstance(name, torch.dtype):
-            dtypes = (_as_dtype(name, "Policy"),) * 3
+            dtypes = (as_dtype(name, "Policy"),) * 3
         elif isinstance(name, str):
             dtypes = _parse(name)
         elif name is None:
@@ -225,7 +186,7 @@ class Policy:
                     "Policy needs a name (e.g. Policy('mixed_bfloat16')) or dtype keywords "
                     "(e.g. Policy(compute_dtype=torch.bfloat16))"
                 )
-            dtypes = _fill(*(_as_dtype(given[k], k) if k in given else None for k in _FIELDS))
+            dtypes = _fill(*(as_dtype(given[k], k) if k in given else None for k in _FIELDS))
         else:
             raise TypeError(
                 f"Policy name must be a str, torch.dtype or Policy, got "
@@ -240,7 +201,7 @@ class Policy:
         dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
         if dtypes in _BY_DTYPES:
             return _BY_DTYPES[dtypes]
-        return ",".join(f"{k}={_SHORT[d]}" for k, d in zip("pco", dtypes))
+        return ",".join(f"{k}={short_name(d)}" for k, d in zip("pco", dtypes))
 
     @property
     def is_mixed(self) -> bool:

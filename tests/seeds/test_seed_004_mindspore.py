@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
 
-from mixprec.callbacks import Callback
+from mixprec.train.callbacks import Callback
 from mixprec.compat import mindspore as ms
-from mixprec.models import LeNet5
+from mixprec.train.models import LeNet5
 
 LN10 = math.log(10.0)
 LINE = re.compile(r"^epoch: (\d+) step: (\d+), loss is (\S+)$")
@@ -689,7 +689,7 @@ def test_model_of_a_train_cell_takes_no_amp_level_or_manager():
 
 
 def test_loss_monitor_line_format(capsys):
-    from mixprec.callbacks import RunState
+    from mixprec.train.callbacks import RunState
 
     monitor = ms.LossMonitor()
     assert monitor.per_print_times == 1

@@ -4,7 +4,6 @@
 * :func:`set_policy`, :func:`to_float` - a :class:`~mixprec.Policy` for one module
   (Keras's per-layer ``dtype=``, MindSpore's ``Cell.to_float``).
 * :func:`get_white_list`, :func:`get_black_list` - the default allow / deny lists.
-* :func:`build_train_network`, :class:`TrainStep` - a whole training step as a callable.
 
 >>> import torch
 >>> from mixprec import amp
@@ -17,11 +16,9 @@
 (torch.float32, 1)
 """
 
-from mixprec.amp.cast_hooks import invalidate_cast_cache
 from mixprec.amp.levels import LEVELS, initialize
 from mixprec.amp.lists import get_black_list, get_white_list
 from mixprec.amp.module_policy import compute_dtype, get_policy, set_policy, to_float
-from mixprec.amp.train_step import TrainStep, build_train_network
 
 __all__ = [
     "LEVELS",
@@ -32,7 +29,4 @@ __all__ = [
     "compute_dtype",
     "get_white_list",
     "get_black_list",
-    "build_train_network",
-    "TrainStep",
-    "invalidate_cast_cache",
 ]

@@ -23,12 +23,13 @@ they never call (``nn.MultiheadAttention`` passes ``self.out_proj.weight`` to
 parameters themselves, their gradients and the optimizer never see a low-precision
 copy; gradients reach the float32 parameters through the cast.
 
-Cast cache: one cast per parameter per optimizer step, not per call. An entry is
-reused while the parameter's ``_version`` (bumped by autograd-tracked in-place
-updates), its storage and the global step epoch (bumped by a
-``torch.optim`` step post-hook, for fused optimizers that update without a version
-bump) are unchanged, and while it suits the grad mode. Edits through
-``param.data`` bypass all three: call :func:`invalidate_cast_cache` after one.
+Cast cache: one cast per parameter per forward pass of the model, not per call
+(the lifetime of ``torch.autocast``'s cache). The outermost region entered on a
+thread opens a pass; an entry is reused only within the pass that made it, while
+the parameter's ``_version`` and storage are unchanged and while it suits the grad
+mode. Nothing outlives the pass, so an optimizer step (fused ones update without a
+version bump) or an edit through ``param.data`` between two forwards is always
+seen, and no process-wide hook or counter is needed: the state is the model's.
 
 A hook registered after amp's sees what the layer computes with:
 
@@ -53,7 +54,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.overrides import TorchFunctionMode
 
 from mixprec.policy import Policy, cast_floating
@@ -63,18 +63,16 @@ __all__ = [
     "ModuleAmp",
     "FunctionLists",
     "get_state",
-    "bump_generation",
-    "invalidate_cast_cache",
+    "forget_regions",
     "region_members",
 ]
 
 #: Name of the per-module state in ``module.__dict__``.
 ATTR = "_mixprec_amp"
 
+# Per-thread call state (like torch.autocast's): the stack of region dtypes being
+# run, and the token of the forward pass that the cast cache is valid for.
 _local = threading.local()
-_epoch = 0
-_generation = 0
-_step_hook: Any = None
 
 
 def _region_stack() -> list[torch.dtype]:
@@ -84,27 +82,20 @@ def _region_stack() -> list[torch.dtype]:
     return stack
 
 
-def _bump_epoch(*_: Any) -> None:
-    global _epoch
-    _epoch += 1
+def _current_pass() -> object | None:
+    return getattr(_local, "pass_token", None)
 
 
-def invalidate_cast_cache() -> None:
-    """Drop every cached parameter cast; the next forward casts again.
-
-    Needed only after changing a parameter through ``param.data`` (which neither
-    autograd's version counter nor an optimizer step records); optimizer steps and
-    in-place updates under ``torch.no_grad()`` invalidate the cache by themselves.
-
-    >>> invalidate_cast_cache()
-    """
-    _bump_epoch()
-
-
-def bump_generation() -> None:
-    """Record that some module's policy changed, so owners recompute their regions."""
-    global _generation
-    _generation += 1
+def forget_regions(root: nn.Module) -> None:
+    """Drop the cached region lists that a policy change under ``root`` makes stale:
+    those of the owners in ``root``'s subtree and of the owners whose regions reach
+    into it."""
+    for module in root.modules():
+        state = get_state(module)
+        if state is not None:
+            state._members = None
+            if state.region_owner is not None:
+                state.region_owner._members = None
 
 
 def get_state(module: nn.Module) -> ModuleAmp | None:
@@ -172,14 +163,17 @@ class _CastCache:
 
     def get(self, key: Any, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         needs_grad = param.requires_grad and torch.is_grad_enabled()
+        token = _current_pass()
+        if token is None:  # called outside any region: nothing to share the cast with
+            return param.to(dtype)
         entry = self._entries.get(key)
         if entry is not None:
-            owner, version, ptr, epoch, cast = entry
+            owner, version, ptr, made_in, cast = entry
             if (
                 owner is param
+                and made_in is token
                 and version == param._version
                 and ptr == param.data_ptr()
-                and epoch == _epoch
                 and cast.dtype == dtype
                 and (cast.requires_grad or not needs_grad)
                 # An inference-mode cast cannot take part in autograd later.
@@ -187,9 +181,9 @@ class _CastCache:
             ):
                 return cast
         cast = param.to(dtype)
-        if needs_grad or entry is None or not entry[-1].requires_grad:
-            # Keep a differentiable cast over a no-grad one: training reuses it.
-            self._entries[key] = (param, param._version, param.data_ptr(), _epoch, cast)
+        if needs_grad or entry is None or entry[3] is not token or not entry[-1].requires_grad:
+            # Keep a differentiable cast over a no-grad one of the same pass.
+            self._entries[key] = (param, param._version, param.data_ptr(), token, cast)
         return cast
 
     def cast_args(self, tree: Any, dtype: torch.dtype) -> Any:
@@ -242,7 +236,9 @@ class ModuleAmp:
         # their own threads on their own parameters.
         self._active: dict[int, list] = {}  # id(module) -> [depth, saved _flat_weights]
         self._frames: dict[int, list[tuple[Any, list[nn.Module]]]] = {}
-        self._members: tuple[int, int, list[nn.Module]] | None = None
+        self._members: tuple[int, list[nn.Module]] | None = None
+        # The owner whose cached region list holds this module (see forget_regions).
+        self.region_owner: ModuleAmp | None = None
 
     def attach(self, module: nn.Module) -> None:
         """Store this state on ``module`` and register its two hooks."""
@@ -290,11 +286,13 @@ class ModuleAmp:
             attrs["_flat_weights"] = active[1]
 
     def members(self, owner: nn.Module) -> list[nn.Module]:
-        """The owner's region, recomputed only after some policy changed."""
+        """The owner's region, recomputed only after a policy changed in it."""
         cached = self._members
-        if cached is None or cached[0] != id(owner) or cached[1] != _generation:
-            cached = self._members = (id(owner), _generation, region_members(owner))
-        return cached[2]
+        if cached is None or cached[0] != id(owner):
+            cached = self._members = (id(owner), region_members(owner))
+            for member in cached[1][1:]:
+                get_state(member).region_owner = self
+        return cached[1]
 
     # -- hooks -------------------------------------------------------------------------
 
@@ -304,10 +302,13 @@ class ModuleAmp:
         if self.policy is None:
             self._shadow(module)
         else:
+            stack = _region_stack()
+            if not stack:  # the outermost region opens a forward pass for the cast cache
+                _local.pass_token = object()
             members = self.members(module)
             for member in members:
                 get_state(member)._shadow(member)
-            _region_stack().append(dtype)
+            stack.append(dtype)
             mode = None
             if (
                 # Dynamo cannot trace a mode entered inside a hook; compiled models
@@ -337,9 +338,12 @@ class ModuleAmp:
         if mode is not None:
             _local.mode_active = False
             mode.__exit__(None, None, None)
-        _region_stack().pop()
+        stack = _region_stack()
+        stack.pop()
         for member in members:
             get_state(member)._unshadow(member)
+        if not stack:
+            _local.pass_token = None
         policy = self.policy
         if output is None or policy.output_dtype == policy.compute_dtype:
             # The output stays as computed: normally the compute dtype, but a nested
@@ -351,12 +355,6 @@ class ModuleAmp:
     def __getstate__(self) -> dict[str, Any]:
         # Region lists and per-call frames refer to live modules; a copy rebuilds them.
         state = dict(self.__dict__)
-        state.update(_members=None, _frames={}, _active={})
+        state.update(_members=None, _frames={}, _active={}, region_owner=None)
         return state
 
-
-def ensure_step_hook() -> None:
-    """Register (once) the optimizer step post-hook that expires cached casts."""
-    global _step_hook
-    if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_bump_epoch)

@@ -41,14 +41,16 @@ from torch import nn
 from mixprec.amp.cast_hooks import FunctionLists, get_state
 from mixprec.amp.lists import check_list, get_black_list, get_white_list, split_list
 from mixprec.amp.module_policy import _walk_region, apply_policies, check_module, claim_tree
+from mixprec.dtypes import LOW_PRECISION as _LOW
+from mixprec.dtypes import as_low_precision
 from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, loss_scale_from_spec
+from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
 
 __all__ = ["initialize", "LEVELS", "resolve_level"]
 
 #: The level names :func:`initialize` accepts.
 LEVELS = ("O0", "O1", "O2", "O3", "auto")
-_LOW = (torch.float16, torch.bfloat16)
 
 # What "auto" means on a CPU, decided by measurement (AVX512-BF16 CPU, one thread,
 # 4-layer transformer encoder d=512, 8 heads, seq 128, batch 8, forward + backward +
@@ -71,16 +73,9 @@ def _check_level(level: Any) -> str:
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:
-    if dtype in ("float16", "fp16", "f16", "half"):
-        return torch.float16
-    if dtype in ("bfloat16", "bf16"):
-        return torch.bfloat16
-    if dtype not in _LOW:
-        raise ValueError(
-            f"dtype must be torch.float16 or torch.bfloat16 (the low precision of the "
-            f"level), got {dtype!r}; use level='O0' for float32 training"
-        )
-    return dtype
+    return as_low_precision(
+        dtype, "dtype", hint="the low precision of the level; use level='O0' for float32"
+    )
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -165,10 +160,6 @@ def _default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
 def _check_loss_scale(loss_scale: Any, level: str, dtype: torch.dtype) -> LossScale:
     if loss_scale is None:
         return _default_loss_scale(level, dtype)
-    if isinstance(loss_scale, bool):
-        raise TypeError(
-            f"loss_scale must be None, 'dynamic', a positive number or a LossScale, got {loss_scale!r}"
-        )
     try:
         return loss_scale_from_spec(loss_scale)
     except (TypeError, ValueError) as err:
@@ -253,8 +244,6 @@ def initialize(
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
         )
-    from mixprec.optim import LossScaleOptimizer
-
     if isinstance(optimizer, LossScaleOptimizer):
         raise ValueError(
             "optimizer is already a LossScaleOptimizer; pass the plain optimizer, "

@@ -40,12 +40,8 @@ import torch
 from torch import nn
 
 from mixprec._api_guard import claim_model, model_api
-from mixprec.amp.cast_hooks import (
-    ModuleAmp,
-    bump_generation,
-    ensure_step_hook,
-    get_state,
-)
+from mixprec._checks import check_instance
+from mixprec.amp.cast_hooks import ModuleAmp, forget_regions, get_state
 from mixprec.policy import Policy, PolicyLike, global_policy
 
 __all__ = [
@@ -61,9 +57,7 @@ __all__ = [
 
 def check_module(name: str, module: Any) -> nn.Module:
     """Raise ``TypeError`` unless ``module`` is an ``nn.Module``."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{name} must be a torch.nn.Module, got {type(module).__name__} {module!r}")
-    return module
+    return check_instance(name, module, nn.Module, "a torch.nn.Module")
 
 
 def claim_tree(model: nn.Module) -> None:
@@ -123,7 +117,8 @@ def apply_policies(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> None:
     owner stores in another dtype (a float32 BatchNorm inside a bfloat16 model
     never makes a round trip through bfloat16).
     """
-    ensure_step_hook()
+    for module, _, _ in plan:
+        forget_regions(module)
     for module, policy, user in plan:
         state = get_state(module)
         if state is None:
@@ -134,7 +129,6 @@ def apply_policies(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> None:
             policy,
             user,
         )
-    bump_generation()
     owners = {id(module) for module in _all_owners(plan)}
     for owner, policy, _ in plan:
         for module in _walk_region(owner, owners - {id(owner)}):
@@ -147,7 +141,6 @@ def apply_policies(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> None:
                 state.attach(module)
             if state is not None:
                 state.compute_dtype = policy.compute_dtype
-    bump_generation()
 
 
 def _all_owners(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> list[nn.Module]:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from mixprec._checks import check_instance, check_number
+from mixprec.compat.tf import TFOptimizerAPI
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer as _CoreLossScaleOptimizer
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
@@ -46,7 +48,7 @@ BASE_OPTIMIZER_KWARGS = (
 )
 
 
-class LossScaleOptimizer(_CoreLossScaleOptimizer):
+class LossScaleOptimizer(TFOptimizerAPI, _CoreLossScaleOptimizer):
     """``keras.optimizers.LossScaleOptimizer(inner_optimizer, initial_scale=32768.0,
     dynamic_growth_steps=2000, **kwargs)``.
 
@@ -72,18 +74,17 @@ class LossScaleOptimizer(_CoreLossScaleOptimizer):
                 f"accepted: {', '.join(BASE_OPTIMIZER_KWARGS)}"
             )
         name = kwargs.pop("name", None)
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a str or None, got {name!r}")
-        try:
-            loss_scale = DynamicLossScale(
-                initial_scale=initial_scale,
-                growth_interval=dynamic_growth_steps,
-                min_scale=None,
-                max_scale=None,
-            )
-        except (TypeError, ValueError) as err:
-            raise type(err)(str(err).replace("growth_interval", "dynamic_growth_steps")) from None
-        super().__init__(inner_optimizer, loss_scale=loss_scale, **kwargs)
+        if name is not None:
+            check_instance("name", name, str, "a str or None")
+        check_number("initial_scale", initial_scale, minimum=0, exclusive=True)
+        check_number("dynamic_growth_steps", dynamic_growth_steps, integer=True, minimum=1)
+        loss_scale = DynamicLossScale(
+            initial_scale=initial_scale,
+            growth_interval=dynamic_growth_steps,
+            min_scale=None,
+            max_scale=None,
+        )
+        super().__init__(inner_optimizer, loss_scale, **kwargs)
         self.__dict__["name"] = name if name is not None else "loss_scale_optimizer"
         self.__dict__["_ema_options"] = (
             kwargs.get("ema_momentum", 0.99),
@@ -100,10 +101,7 @@ class LossScaleOptimizer(_CoreLossScaleOptimizer):
 
     @weight_decay.setter
     def weight_decay(self, value: float | None) -> None:
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0
-        ):
-            raise ValueError(f"weight_decay must be a non-negative number or None, got {value!r}")
+        check_number("weight_decay", value, minimum=0, allow_none=True)
         self.__dict__["decoupled_weight_decay"] = value
 
     @property
@@ -131,7 +129,7 @@ class LossScaleOptimizer(_CoreLossScaleOptimizer):
         """Keras 3's ``apply(grads, trainable_variables=None)``: :meth:`apply_gradients`
         unzipped; without ``trainable_variables``, ``grads`` follow the optimizer's own
         parameters in order."""
-        params = self._own_params() if trainable_variables is None else list(trainable_variables)
+        params = self.model_params() if trainable_variables is None else list(trainable_variables)
         grads = list(grads)
         if len(grads) != len(params):
             raise ValueError(f"got {len(grads)} gradients for {len(params)} variables")
@@ -146,3 +144,9 @@ class LossScaleOptimizer(_CoreLossScaleOptimizer):
     def step_counter(self) -> torch.Tensor:
         """Finite steps since the scale last changed (Keras's name)."""
         return self.dynamic_counter
+
+    def finalize_variable_values(self) -> None:
+        """Overwrite the parameters with their moving averages (needs ``use_ema=True``)."""
+        if self._ema is None:
+            raise ValueError("finalize_variable_values() needs use_ema=True on this optimizer")
+        self.copy_ema_to_params()

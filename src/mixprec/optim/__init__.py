@@ -1,14 +1,24 @@
-"""Optimizer wrappers: loss scaling, master weights, clipping, EMA, accumulation."""
+"""Optimizer wrappers: loss scaling, master weights, clipping, EMA, accumulation.
+
+* :class:`LossScaleOptimizer` - wraps any ``torch.optim.Optimizer`` (``loss_scale_optimizer``).
+* :func:`joint_step` - step optimizers that share a loss scale as one (``joint``).
+* The parts it is made of, one module each: ``wrapper`` (a real ``Optimizer`` in front
+  of another), ``options``, ``master_weights``, ``clipping``, ``ema``, ``accumulation``,
+  ``checkpoint``.
+"""
 
 from mixprec.optim.accumulation import GradientAccumulator
 from mixprec.optim.ema import ParameterEMA
-from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer, joint_step
+from mixprec.optim.joint import joint_step
+from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer
 from mixprec.optim.master_weights import MasterWeights
+from mixprec.optim.wrapper import OptimizerWrapper
 
 __all__ = [
     "LossScaleOptimizer",
     "joint_step",
     "MasterWeights",
+    "OptimizerWrapper",
     "ParameterEMA",
     "GradientAccumulator",
 ]

@@ -19,28 +19,21 @@ True
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
+
+from mixprec._checks import check_number
 
 __all__ = ["GradientAccumulator", "check_accumulation_steps"]
 
 
 def check_accumulation_steps(steps: Any) -> int | None:
     """Validate ``gradient_accumulation_steps`` (``None`` or an integer >= 1)."""
-    if steps is None:
-        return None
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
-        raise TypeError(
-            f"gradient_accumulation_steps must be a positive integer or None, got {steps!r}"
-        )
-    if steps < 1:
-        raise ValueError(
-            f"gradient_accumulation_steps must be a positive integer or None, got {steps!r}; "
-            "use 1 (or None) for no accumulation"
-        )
-    return int(steps)
+    return check_number(
+        "gradient_accumulation_steps", steps, integer=True, minimum=1, allow_none=True,
+        hint="use 1 (or None) for no accumulation",
+    )  # fmt: skip
 
 
 class GradientAccumulator:

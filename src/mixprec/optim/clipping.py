@@ -21,24 +21,25 @@ tensor([3.0000, 3.5000])
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
 
+from mixprec._checks import check_number
 from mixprec.numerics import global_norm, group_by_device_and_dtype
 
-__all__ = ["clip_by_value_", "clip_by_norm_", "clip_by_global_norm_", "check_clip_options"]
+__all__ = [
+    "clip_by_value_",
+    "clip_by_norm_",
+    "clip_by_global_norm_",
+    "clip_gradients_",
+    "check_clip_options",
+    "decay_",
+]
 
 
 def _check_threshold(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a positive number or None, got {value!r}")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number or None, got {value!r}")
+    check_number(name, value, minimum=0, exclusive=True, allow_none=True)
 
 
 def check_clip_options(clipnorm: Any, clipvalue: Any, global_clipnorm: Any) -> None:
@@ -83,3 +84,29 @@ def clip_by_global_norm_(grads: list[torch.Tensor], clipnorm: float) -> torch.Te
     for (device, dtype), group in group_by_device_and_dtype(grads).items():
         torch._foreach_mul_(group, factor.to(device=device, dtype=dtype))
     return total
+
+
+def clip_gradients_(
+    grads: list[torch.Tensor],
+    clipvalue: float | None = None,
+    clipnorm: float | None = None,
+    global_clipnorm: float | None = None,
+) -> None:
+    """Apply the clipping options that are set, in order: value, per-tensor norm, global norm."""
+    if clipvalue is not None:
+        clip_by_value_(grads, clipvalue)
+    if clipnorm is not None:
+        clip_by_norm_(grads, clipnorm)
+    if global_clipnorm is not None:
+        clip_by_global_norm_(grads, global_clipnorm)
+
+
+def decay_(param_groups: list[dict[str, Any]], weight_decay: float, applied: torch.Tensor) -> None:
+    """Decoupled weight decay ``p *= 1 - lr * weight_decay * applied`` on every parameter
+    with a gradient (``applied``: a 0/1 tensor, 0 on a skipped step). No host sync."""
+    for group in param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            factor = 1.0 - group["lr"] * weight_decay * applied
+            for p in params:
+                p.mul_(factor.to(p.device, p.dtype))

@@ -22,11 +22,11 @@ tensor([6.])
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import torch
+
+from mixprec._checks import check_number
 
 __all__ = ["ParameterEMA"]
 
@@ -40,19 +40,11 @@ class ParameterEMA:
         momentum: float = 0.99,
         overwrite_frequency: int | None = None,
     ) -> None:
-        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
-            raise TypeError(f"ema_momentum must be a number in [0, 1], got {momentum!r}")
-        if not (math.isfinite(momentum) and 0.0 <= momentum <= 1.0):
-            raise ValueError(f"ema_momentum must lie in [0, 1], got {momentum!r}")
-        if overwrite_frequency is not None and (
-            isinstance(overwrite_frequency, bool)
-            or not isinstance(overwrite_frequency, numbers.Integral)
-            or overwrite_frequency < 1
-        ):
-            raise ValueError(
-                f"ema_overwrite_frequency must be a positive integer or None, "
-                f"got {overwrite_frequency!r}"
-            )
+        check_number("ema_momentum", momentum, minimum=0, maximum=1)
+        check_number(
+            "ema_overwrite_frequency", overwrite_frequency, integer=True, minimum=1,
+            allow_none=True,
+        )  # fmt: skip
         self.momentum = float(momentum)
         self.overwrite_frequency = overwrite_frequency
         self.averages = [p.detach().float().clone() for p in params]

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["MasterWeights", "LOW_PRECISION"]
+from mixprec.dtypes import LOW_PRECISION
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+__all__ = ["MasterWeights"]
 
 
 class MasterWeights:
@@ -125,13 +125,6 @@ class MasterWeights:
                 p.grad = None
             else:
                 p.grad.detach_().requires_grad_(False).zero_()
-
-    def master_of(self, param: torch.Tensor) -> torch.Tensor:
-        """The master tensor that stands for a model parameter."""
-        for p, m in zip(self.model_params, self.masters):
-            if p is param:
-                return m
-        raise ValueError("the tensor is not a parameter of this optimizer")
 
     def state_dict(self) -> dict[str, Any]:
         return {"masters": [m.detach().clone() for _, m in self._low]}

@@ -1,6 +1,6 @@
 """Mixed precision by graph rewrite: the model stays float32, chosen ops run in low precision.
 
-TensorFlow's ``enable_mixed_precision_graph_rewrite`` for PyTorch. The model is
+The model is
 captured as a ``torch.fx`` graph (``torch.export``, else ``symbolic_trace``);
 each op is classified by four lists (Allow, Infer, Deny, Clear), the graph is
 painted with TensorFlow's algorithm, and casts are inserted only where painted
@@ -22,24 +22,23 @@ counting), ``api`` (entry points).
 converted 3/3 ops to bfloat16 using 4 casts
 """
 
-from mixprec.rewrite.api import enable_mixed_precision_graph_rewrite, rewrite
+from mixprec.rewrite.api import rewrite
 from mixprec.rewrite.capture import CaptureError
 from mixprec.rewrite.explain import CastCounter, ReportRow, RewriteReport, count_casts, explain
-from mixprec.rewrite.lists import ALLOW, CLEAR, DENY, INFER, LEVELS, AmpLists, normalize_op_name
+from mixprec.rewrite.lists import ALLOW, CLEAR, DENY, INFER, PAINT_LEVELS, AmpLists, normalize_op_name
 
 __all__ = [
     "ALLOW",
     "CLEAR",
     "DENY",
     "INFER",
-    "LEVELS",
+    "PAINT_LEVELS",
     "AmpLists",
     "CaptureError",
     "CastCounter",
     "ReportRow",
     "RewriteReport",
     "count_casts",
-    "enable_mixed_precision_graph_rewrite",
     "explain",
     "normalize_op_name",
     "rewrite",

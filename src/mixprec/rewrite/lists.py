@@ -51,7 +51,7 @@ __all__ = [
     "CLEAR",
     "DENY",
     "INFER",
-    "LEVELS",
+    "PAINT_LEVELS",
     "LIST_NAMES",
     "AmpLists",
     "check_level",
@@ -60,7 +60,7 @@ __all__ = [
 
 LIST_NAMES = ("allow", "infer", "deny", "clear")
 
-LEVELS = {
+PAINT_LEVELS = {
     "default": "the painting algorithm with all four lists",
     "treat_infer_as_deny": "Infer ops are treated as Deny ops: only Allow ops and the "
     "Clear ops around them change precision",
@@ -132,8 +132,8 @@ def check_level(level: str) -> str:
     >>> check_level("allow_only")
     'allow_only'
     """
-    if level not in LEVELS:
-        accepted = ", ".join(f"{name!r} ({what})" for name, what in LEVELS.items())
+    if level not in PAINT_LEVELS:
+        accepted = ", ".join(f"{name!r} ({what})" for name, what in PAINT_LEVELS.items())
         raise ValueError(f"unknown level {level!r}; accepted levels: {accepted}")
     return level
 

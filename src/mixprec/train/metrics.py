@@ -29,16 +29,17 @@ import re
 import torch
 import torch.nn.functional as F
 
+from mixprec._checks import check_instance, check_number
+
 __all__ = ["Metric", "Accuracy", "TopKAccuracy", "Loss", "build_metric", "METRIC_NAMES"]
 
 
 def _class_indices(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Return targets as int64 class indices shaped like ``logits`` without dim 1."""
-    if not isinstance(logits, torch.Tensor) or not isinstance(targets, torch.Tensor):
-        raise TypeError(
-            f"logits and targets must be torch.Tensor, got {type(logits).__name__} and "
-            f"{type(targets).__name__}"
-        )
+    check_instance("logits", logits, torch.Tensor, "a torch.Tensor")
+    check_instance(
+        "targets", targets, torch.Tensor, "a torch.Tensor", hint="convert with torch.as_tensor"
+    )
     if logits.ndim < 2:
         raise ValueError(
             f"logits must have shape (N, C, ...), got shape {tuple(logits.shape)}; for a "
@@ -82,8 +83,10 @@ class Metric(abc.ABC):
     default_name = "metric"
 
     def __init__(self, name: str | None = None) -> None:
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"name must be a non-empty str or None, got {name!r}")
+        if name is not None:
+            check_instance("name", name, str, "a non-empty str or None")
+            if not name:
+                raise ValueError("name must be a non-empty str or None, got ''")
         self._name = name if name is not None else self.default_name
         self.reset()
 
@@ -138,10 +141,8 @@ class TopKAccuracy(Metric):
     """
 
     def __init__(self, k: int = 5, name: str | None = None) -> None:
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k must be a positive int, got {k!r}; pass e.g. k=5")
-        self.k = k
-        super().__init__(name if name is not None else f"top{k}_accuracy")
+        self.k = check_number("k", k, integer=True, minimum=1, hint="pass e.g. k=5")
+        super().__init__(name if name is not None else f"top{self.k}_accuracy")
 
     def _hits(self, logits: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         if self.k > logits.shape[1]:
@@ -259,8 +260,7 @@ def build_metric(name: str) -> Metric:
     >>> [m.name for m in map(build_metric, ["acc", "loss", "top3"])]
     ['accuracy', 'loss', 'top3_accuracy']
     """
-    if not isinstance(name, str):
-        raise TypeError(f"metric name must be a str, got {type(name).__name__} {name!r}")
+    check_instance("name", name, str, "a str such as 'accuracy'")
     key = name.strip().lower()
     if key in ("accuracy", "acc"):
         return Accuracy()

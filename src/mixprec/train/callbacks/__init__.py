@@ -32,10 +32,10 @@ epoch: 1 step: 2, loss is 0.5
 [0.75, 0.5]
 """
 
-from mixprec.callbacks.base import Callback, CallbackList, RunState, format_loss
-from mixprec.callbacks.control import EarlyStopping, LRScheduler, ModelCheckpoint
-from mixprec.callbacks.monitors import LossMonitor, LossScaleMonitor, ProgressBar
-from mixprec.callbacks.records import CSVLogger, History
+from mixprec.train.callbacks.base import Callback, CallbackList, RunState, format_loss
+from mixprec.train.callbacks.control import EarlyStopping, LRScheduler, ModelCheckpoint
+from mixprec.train.callbacks.monitors import LossMonitor, LossScaleMonitor, ProgressBar
+from mixprec.train.callbacks.records import CSVLogger, History
 
 __all__ = [
     "RunState",

@@ -17,6 +17,8 @@ from importlib import resources
 import numpy as np
 import torch
 
+from mixprec._checks import check_choice, check_instance, check_number
+
 from ._validate import DataError
 
 __all__ = ["load_digits", "stratified_split", "DIGITS_NUM_CLASSES", "DIGITS_MAX_PIXEL"]
@@ -41,26 +43,20 @@ def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+_FRACTION_HINT = "pass e.g. test_fraction=0.2 to hold out 20% of the samples"
+
+
 def _check_fraction(test_fraction: float) -> float:
-    if isinstance(test_fraction, bool) or not isinstance(test_fraction, (int, float)):
-        raise TypeError(
-            f"test_fraction must be a float in (0, 1), got {type(test_fraction).__name__} "
-            f"{test_fraction!r}; pass e.g. test_fraction=0.2"
-        )
-    if not 0.0 < float(test_fraction) < 1.0:
+    fraction = check_number("test_fraction", test_fraction, hint=_FRACTION_HINT)
+    if not 0.0 < fraction < 1.0:  # both ends open: check_number's maximum is inclusive
         raise ValueError(
-            f"test_fraction must be in (0, 1), got {test_fraction!r}; pass e.g. "
-            "test_fraction=0.2 to hold out 20% of the samples"
+            f"test_fraction must be a number in (0, 1), got {test_fraction!r}; {_FRACTION_HINT}"
         )
-    return float(test_fraction)
+    return fraction
 
 
 def _check_seed(seed: int) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(
-            f"seed must be an int, got {type(seed).__name__} {seed!r}; pass e.g. seed=0"
-        )
-    return seed
+    return check_number("seed", seed, integer=True, hint="pass e.g. seed=0")
 
 
 def stratified_split(
@@ -81,10 +77,9 @@ def stratified_split(
     """
     test_fraction = _check_fraction(test_fraction)
     seed = _check_seed(seed)
-    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise TypeError(
-            f"x and y must be torch.Tensor, got {type(x).__name__} and {type(y).__name__}; "
-            "convert with torch.as_tensor"
+    for name, value in (("x", x), ("y", y)):
+        check_instance(
+            name, value, torch.Tensor, "a torch.Tensor", hint="convert with torch.as_tensor"
         )
     if y.ndim != 1 or x.shape[0] != y.shape[0]:
         raise ValueError(
@@ -134,8 +129,7 @@ def load_digits(
     >>> len(y_train), len(y_test), tuple(x_test.shape[1:])
     (1438, 359, (64,))
     """
-    if split not in _SPLITS:
-        raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
+    check_choice("split", split, _SPLITS)
     x_u8, y_u8 = _digits_arrays()
     x = torch.from_numpy(x_u8.astype(np.float32)) / DIGITS_MAX_PIXEL
     y = torch.from_numpy(y_u8.astype(np.int64))

@@ -7,7 +7,8 @@ from typing import IO, Any
 
 from tqdm.auto import tqdm
 
-from mixprec.callbacks.base import Callback, RunState, _emit, _non_negative_int, format_loss
+from mixprec._checks import check_number
+from mixprec.train.callbacks.base import Callback, RunState, _emit, format_loss
 
 __all__ = ["LossMonitor", "LossScaleMonitor", "ProgressBar"]
 
@@ -27,7 +28,13 @@ class LossMonitor(Callback):
     """
 
     def __init__(self, per_print_times: int = 1, file: IO[str] | None = None) -> None:
-        self.per_print_times = _non_negative_int("per_print_times", per_print_times, 1)
+        self.per_print_times = check_number(
+            "per_print_times",
+            per_print_times,
+            integer=True,
+            minimum=0,
+            hint="pass e.g. per_print_times=1",
+        )
         self.file = file
 
     def on_step_end(self, state: RunState) -> None:

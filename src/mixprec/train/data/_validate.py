@@ -11,7 +11,7 @@ one-line messages.
 >>> check_arrays(np.zeros((2, 4)), np.array([0, -1]), source="demo")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-mixprec.data.DataError: demo: labels must be >= 0, got -1 (at sample 1); ...
+mixprec.train.data.DataError: demo: labels must be >= 0, got -1 (at sample 1); ...
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ class DataError(ValueError):
     """
 
 
-# Shown in tracebacks as ``mixprec.data.DataError``: the public home of the class.
-DataError.__module__ = "mixprec.data"
+# Shown in tracebacks as ``mixprec.train.data.DataError``: the public home of the class.
+DataError.__module__ = "mixprec.train.data"
 
 
 class DataFileNotFoundError(DataError, FileNotFoundError):
@@ -45,7 +45,7 @@ class DataFileNotFoundError(DataError, FileNotFoundError):
     """
 
 
-DataFileNotFoundError.__module__ = "mixprec.data"
+DataFileNotFoundError.__module__ = "mixprec.train.data"
 
 
 def _labels_from_onehot(y: np.ndarray, source: str) -> np.ndarray:

@@ -8,7 +8,7 @@
 - :func:`make_loaders`, :func:`train_test_loaders`: ``DataLoader`` objects whose
   shuffling is reproducible from a seed.
 
->>> from mixprec.data import train_test_loaders
+>>> from mixprec.train.data import train_test_loaders
 >>> train, test = train_test_loaders(batch_size=32, seed=0)
 >>> x, y = next(iter(train))
 >>> tuple(x.shape), y.dtype

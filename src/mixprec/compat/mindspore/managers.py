@@ -21,9 +21,9 @@ False
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
+from mixprec._checks import check_bool, check_number
 from mixprec.loss_scale import DynamicLossScale, LossScale, StaticLossScale, loss_scale_from_spec
 
 __all__ = [
@@ -55,18 +55,8 @@ class FixedLossScaleManager(LossScaleManager):
     """A fixed loss scale; ``drop_overflow_update`` chooses whether overflowing steps are skipped."""
 
     def __init__(self, loss_scale: float = 128.0, drop_overflow_update: bool = True) -> None:
-        if (
-            isinstance(loss_scale, bool)
-            or not isinstance(loss_scale, numbers.Real)
-            or not loss_scale >= 1
-        ):
-            raise ValueError(
-                f"loss_scale must be a number >= 1 for FixedLossScaleManager, got {loss_scale!r}"
-            )
-        if not isinstance(drop_overflow_update, bool):
-            raise TypeError(
-                f"drop_overflow_update must be True or False, got {drop_overflow_update!r}"
-            )
+        check_number("loss_scale", loss_scale, minimum=1)
+        check_bool("drop_overflow_update", drop_overflow_update)
         self.loss_scale = float(loss_scale)
         self.drop_overflow_update = drop_overflow_update
 
@@ -90,35 +80,19 @@ class DynamicLossScaleManager(LossScaleManager):
     def __init__(
         self, init_loss_scale: float = 2.0**24, scale_factor: float = 2, scale_window: int = 2000
     ) -> None:
-        if (
-            isinstance(scale_factor, bool)
-            or not isinstance(scale_factor, numbers.Real)
-            or scale_factor <= 1
-        ):
-            raise ValueError(f"scale_factor must be a number > 1, got {scale_factor!r}")
+        check_number("init_loss_scale", init_loss_scale, minimum=1)
+        check_number("scale_factor", scale_factor, minimum=1, exclusive=True)
+        check_number("scale_window", scale_window, integer=True, minimum=1)
         self.init_loss_scale = init_loss_scale
         self.scale_factor = scale_factor
         self.scale_window = scale_window
-        self.build_loss_scale()  # validates the rest, naming the argument
 
     def build_loss_scale(self) -> LossScale:
-        try:
-            return DynamicLossScale(
-                initial_scale=self.init_loss_scale,
-                growth_interval=self.scale_window,
-                growth_factor=float(self.scale_factor),
-                backoff_factor=1.0 / float(self.scale_factor),
-                min_scale=1.0,
-                max_scale=None,
+        return DynamicLossScale(
+            **DynamicLossScale.symmetric_config(
+                self.init_loss_scale, self.scale_window, self.scale_factor
             )
-        except (TypeError, ValueError) as err:
-            # Report MindSpore's argument names, not the core's.
-            msg = (
-                str(err)
-                .replace("initial_scale", "init_loss_scale")
-                .replace("growth_interval", "scale_window")
-            )
-            raise type(err)(msg) from None
+        )
 
     def __repr__(self) -> str:
         return (

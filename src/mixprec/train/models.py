@@ -20,18 +20,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._checks import check_instance, check_number
+
 __all__ = ["LeNet5", "MLP", "TransformerClassifier", "MODEL_NAMES", "build_model"]
 
 
 def _positive_int(name: str, value: Any, example: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{name} must be a positive int, got {type(value).__name__} {value!r}; "
-            f"pass e.g. {name}={example}"
-        )
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}; pass e.g. {name}={example}")
-    return value
+    return check_number(name, value, integer=True, minimum=1, hint=f"pass e.g. {name}={example}")
 
 
 def _lenet_feature_size(input_size: int, padding: int) -> int:
@@ -76,8 +71,7 @@ class LeNet5(nn.Module):
         _positive_int("input_size", input_size, 8)
         if padding is None:
             padding = 0 if input_size >= 32 else 2
-        if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
-            raise ValueError(f"padding must be an int >= 0 or None, got {padding!r}")
+        check_number("padding", padding, integer=True, minimum=0, hint="pass e.g. padding=2")
         feature = _lenet_feature_size(input_size, padding)
         if feature < 1:
             raise ValueError(
@@ -126,13 +120,15 @@ class MLP(nn.Module):
         super().__init__()
         _positive_int("in_features", in_features, 64)
         _positive_int("num_classes", num_classes, 10)
-        if isinstance(hidden, (str, bytes)) or not isinstance(hidden, Sequence):
+        hint = "pass e.g. hidden=(128, 128), or hidden=() for a linear model"
+        if isinstance(hidden, (str, bytes)):
             raise TypeError(
                 f"hidden must be a sequence of layer widths, got {type(hidden).__name__} "
-                f"{hidden!r}; pass e.g. hidden=(128, 128) or hidden=() for a linear model"
+                f"{hidden!r}; {hint}"
             )
-        for width in hidden:
-            _positive_int("each hidden width", width, 128)
+        check_instance("hidden", hidden, Sequence, "a sequence of layer widths", hint=hint)
+        for i, width in enumerate(hidden):
+            check_number(f"hidden[{i}]", width, integer=True, minimum=1, hint=hint)
         layers: list[nn.Module] = [nn.Flatten()]
         width_in = in_features
         for width in hidden:
@@ -189,8 +185,9 @@ class TransformerClassifier(nn.Module):
                 f"d_model must be divisible by nhead, got d_model={d_model}, nhead={nhead}; "
                 f"pick e.g. nhead={math.gcd(d_model, 4)}"
             )
-        if not 0.0 <= float(dropout) < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        hint = "pass e.g. dropout=0.1"
+        if not 0.0 <= check_number("dropout", dropout, hint=hint) < 1.0:  # [0, 1): open at 1
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}; {hint}")
         self.seq_len = seq_len
         self.token_dim = token_dim
         self.embed = nn.Linear(token_dim, d_model)
@@ -294,11 +291,7 @@ def build_model(
     ...
     ValueError: unknown model name 'resnet'; choose one of: lenet5, mlp, transformer
     """
-    if not isinstance(name, str):
-        raise TypeError(
-            f"name must be a str, got {type(name).__name__} {name!r}; "
-            f"choose one of: {', '.join(MODEL_NAMES)}"
-        )
+    check_instance("name", name, str, "a str", hint=f"choose one of: {', '.join(MODEL_NAMES)}")
     key = name.strip().lower()
     if key not in _BUILDERS:
         raise ValueError(f"unknown model name {name!r}; choose one of: {', '.join(MODEL_NAMES)}")

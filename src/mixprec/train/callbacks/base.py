@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from mixprec._checks import check_instance
+
 __all__ = ["RunState", "Callback", "CallbackList", "format_loss"]
 
 
@@ -102,12 +104,14 @@ class CallbackList(Callback):
 
     def __init__(self, callbacks: Iterable[Callback] | None = None) -> None:
         self.callbacks: list[Callback] = []
-        for cb in callbacks or ():
-            if not isinstance(cb, Callback):
-                raise TypeError(
-                    f"callbacks must be mixprec.callbacks.Callback instances, got "
-                    f"{type(cb).__name__} {cb!r}; subclass Callback and override its hooks"
-                )
+        for i, cb in enumerate(callbacks or ()):
+            check_instance(
+                f"callbacks[{i}]",
+                cb,
+                Callback,
+                "a mixprec.train.callbacks.Callback",
+                hint="subclass Callback and override its hooks",
+            )
             self.callbacks.append(cb)
 
     def __len__(self) -> int:
@@ -161,12 +165,6 @@ class CallbackList(Callback):
         for key, cb in zip(self._keys(), self.callbacks):
             if key in state_dict:
                 cb.load_state_dict(state_dict[key])
-
-
-def _non_negative_int(name: str, value: Any, example: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}; pass e.g. {name}={example}")
-    return value
 
 
 def _emit(line: str, file: IO[str] | None) -> None:

@@ -18,20 +18,15 @@ from __future__ import annotations
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from mixprec._checks import check_instance, check_number
+
 from ._digits import _check_seed, load_digits, stratified_split
 
 __all__ = ["make_loaders", "train_test_loaders"]
 
 
 def _check_batch_size(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"{name} must be a positive int, got {type(value).__name__} {value!r}; "
-            f"pass e.g. {name}=64"
-        )
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}; pass e.g. {name}=64")
-    return value
+    return check_number(name, value, integer=True, minimum=1, hint=f"pass e.g. {name}=64")
 
 
 def make_loaders(
@@ -54,19 +49,22 @@ def make_loaders(
     >>> len(loader), loader.batch_size
     (3, 4)
     """
-    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
-        raise TypeError(
-            f"x and y must be torch.Tensor, got {type(x).__name__} and {type(y).__name__}; "
-            "load data with mixprec.data.load_digits/load_npz/load_csv or torch.as_tensor"
+    for name, value in (("x", x), ("y", y)):
+        check_instance(
+            name,
+            value,
+            torch.Tensor,
+            "a torch.Tensor",
+            hint="load data with mixprec.train.data.load_digits/load_npz/load_csv "
+            "or torch.as_tensor",
         )
     if x.ndim == 0 or y.ndim == 0 or x.shape[0] != y.shape[0]:
         raise ValueError(
             f"x and y must have the same number of samples, got x.shape={tuple(x.shape)} "
             f"and y.shape={tuple(y.shape)}"
         )
-    _check_batch_size("batch_size", batch_size)
-    _check_seed(seed)
-    generator = torch.Generator().manual_seed(seed)
+    batch_size = _check_batch_size("batch_size", batch_size)
+    generator = torch.Generator().manual_seed(_check_seed(seed))
     return DataLoader(
         TensorDataset(x, y),
         batch_size=batch_size,

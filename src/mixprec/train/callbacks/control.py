@@ -9,7 +9,8 @@ from typing import IO, Any
 
 import torch  # noqa: F401  (the doctests use it)
 
-from mixprec.callbacks.base import Callback, RunState, _emit
+from mixprec._checks import check_choice, check_instance, check_number
+from mixprec.train.callbacks.base import Callback, RunState, _emit
 
 __all__ = ["EarlyStopping", "ModelCheckpoint", "LRScheduler"]
 
@@ -43,22 +44,18 @@ class EarlyStopping(Callback):
         verbose: bool = True,
         file: IO[str] | None = None,
     ) -> None:
-        if not isinstance(monitor, str) or not monitor:
-            raise ValueError(f"monitor must be a metric name, got {monitor!r}; e.g. 'val_loss'")
-        if mode not in ("min", "max"):
-            raise ValueError(
-                f"mode must be 'min' or 'max', got {mode!r}; use 'min' for losses and 'max' "
-                "for accuracies"
-            )
-        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or min_delta < 0:
-            raise ValueError(f"min_delta must be a number >= 0, got {min_delta!r}")
+        hint = "pass e.g. monitor='val_loss'"
+        check_instance("monitor", monitor, str, "a metric name", hint=hint)
+        if not monitor:
+            raise ValueError(f"monitor must be a metric name, got ''; {hint}")
+        check_choice(
+            "mode", mode, ("min", "max"), hint="use 'min' for losses and 'max' for accuracies"
+        )
         self.monitor = monitor
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(
-                f"patience must be an int >= 1, got {patience!r}; pass e.g. patience=3"
-            )
-        self.patience = patience
-        self.min_delta = float(min_delta)
+        self.patience = check_number(
+            "patience", patience, integer=True, minimum=1, hint="pass e.g. patience=3"
+        )
+        self.min_delta = check_number("min_delta", min_delta, minimum=0)
         self.mode = mode
         self.verbose = verbose
         self.file = file
@@ -147,19 +144,14 @@ class ModelCheckpoint(Callback):
         keep_last: int | None = None,
         save_on_train_end: bool = True,
     ) -> None:
-        if not isinstance(directory, (str, Path)):
-            raise TypeError(
-                f"directory must be a str or Path, got {type(directory).__name__} {directory!r}"
-            )
-        if (
-            isinstance(every_n_epochs, bool)
-            or not isinstance(every_n_epochs, int)
-            or every_n_epochs < 1
-        ):
-            raise ValueError(
-                f"every_n_epochs must be an int >= 1, got {every_n_epochs!r}; pass e.g. "
-                "every_n_epochs=1"
-            )
+        check_instance("directory", directory, (str, Path), "a str or Path")
+        check_number(
+            "every_n_epochs",
+            every_n_epochs,
+            integer=True,
+            minimum=1,
+            hint="pass e.g. every_n_epochs=1",
+        )
         try:
             name = filename.format(epoch=1, step=1)
         except (KeyError, IndexError, ValueError, AttributeError) as exc:
@@ -172,9 +164,14 @@ class ModelCheckpoint(Callback):
                 f"filename must name a file inside directory, got {filename!r}; "
                 "e.g. 'epoch{epoch:04d}.pt'"
             )
-        if keep_last is not None:
-            if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-                raise ValueError(f"keep_last must be None or an int >= 1, got {keep_last!r}")
+        check_number(
+            "keep_last",
+            keep_last,
+            integer=True,
+            minimum=1,
+            allow_none=True,
+            hint="pass e.g. keep_last=2, or None to keep every file",
+        )
         if save_fn is not None and not callable(save_fn):
             raise TypeError(f"save_fn must be callable(path, state), got {save_fn!r}")
         self.directory = Path(directory)
@@ -242,8 +239,7 @@ class LRScheduler(Callback):
             raise TypeError(
                 f"scheduler must be a torch.optim.lr_scheduler object, got {type(scheduler).__name__}"
             )
-        if interval not in ("step", "epoch"):
-            raise ValueError(f"interval must be 'step' or 'epoch', got {interval!r}")
+        check_choice("interval", interval, ("step", "epoch"))
         self.scheduler = scheduler
         self.interval = interval
 

@@ -1,8 +1,8 @@
 """``Model``: train, evaluate and predict with any amp level, in a few lines.
 
-The PyTorch counterpart of MindSpore's ``Model(network, loss_fn, optimizer,
-metrics, amp_level, loss_scale_manager).train(...)``. One training step reads
-top to bottom::
+``Model(network, loss_fn, optimizer, metrics, amp_level).train(epochs, loader)`` runs
+the whole loop: the amp level, loss scaling, metrics, callbacks and exact resume from
+a checkpoint. One training step reads top to bottom::
 
     x = x.to(device)                      # the amp level casts floating inputs on entry
     out = network(x)                      # low-precision compute where the level says
@@ -34,23 +34,17 @@ from typing import Any
 
 import torch
 
-from mixprec.callbacks import Callback, CallbackList, History, RunState
-from mixprec.loss_scale import DynamicLossScale
-from mixprec.managers import resolve_loss_scale
-from mixprec.metrics import build_metric
+from mixprec._checks import check_bool, check_choice, check_instance, check_number
+from mixprec.dtypes import as_low_precision
+from mixprec.loss_scale import DynamicLossScale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
+from mixprec.train import checkpoint
+from mixprec.train.callbacks import Callback, CallbackList, History, RunState
+from mixprec.train.metrics import build_metric
 
 __all__ = ["Model", "AMP_LEVELS", "resolve_dtype", "resolve_device", "default_low_precision_dtype"]
 
 AMP_LEVELS = ("O0", "O1", "O2", "O3", "auto", "rewrite")
-CHECKPOINT_FORMAT = "mixprec-checkpoint-1"
-_DTYPES = {
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -77,17 +71,14 @@ def default_low_precision_dtype(device: torch.device) -> torch.dtype:
 
 
 def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
-    """The low-precision dtype: ``None`` (device default), a name, or a torch dtype."""
+    """The low-precision dtype: ``None`` (the device's default), a name, or a torch dtype.
+
+    >>> resolve_dtype("bf16", torch.device("cpu")), resolve_dtype(None, torch.device("cpu"))
+    (torch.bfloat16, torch.bfloat16)
+    """
     if dtype is None:
         return default_low_precision_dtype(device)
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
-    if dtype in (torch.float16, torch.bfloat16):
-        return dtype
-    raise ValueError(
-        f"dtype={dtype!r} is not a low-precision dtype: use 'float16', 'bfloat16', "
-        "torch.float16 or torch.bfloat16 (amp_level='O0' keeps float32)"
-    )
+    return as_low_precision(dtype, "dtype", hint="use amp_level='O0' to train in float32")
 
 
 def _build_metrics(metrics: Any) -> dict[str, Any]:
@@ -101,11 +92,6 @@ def _build_metrics(metrics: Any) -> dict[str, Any]:
         )
     built = [build_metric(m) if isinstance(m, str) else m for m in metrics]
     return {getattr(m, "name", type(m).__name__.lower()): m for m in built}
-
-
-def _loader_generator(dataset: Any) -> torch.Generator | None:
-    """The generator that decides a DataLoader's shuffling (to checkpoint it)."""
-    return getattr(dataset, "generator", None)
 
 
 def _example_batch(dataset: Any) -> torch.Tensor:
@@ -130,8 +116,12 @@ class Model:
             ``"top5"``) or metric objects; default accuracy and loss.
         amp_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"auto"`` (see ``mixprec.amp``), or
             ``"rewrite"`` (the graph rewrite, built at the first batch).
-        loss_scale_manager: a ``FixedLossScaleManager``/``DynamicLossScaleManager``, a
-            ``LossScale``, ``"dynamic"``, a number, or ``None`` for the level's default.
+        loss_scale: how the loss is scaled before backward: ``None`` for the level's
+            default, ``"dynamic"`` (grow the scale while gradients stay finite, shrink it on
+            overflow), a positive number for a static scale, or a
+            :class:`~mixprec.loss_scale.LossScale` object.
+        skip_nonfinite: ``True`` (default) skips an optimizer step whose gradients hold an
+            inf or NaN; ``False`` applies every step, overflowing or not.
         dtype: the low-precision dtype (default: float16 on CUDA, bfloat16 on CPU).
         device: default CUDA if available, else CPU.
     """
@@ -143,29 +133,31 @@ class Model:
         optimizer: torch.optim.Optimizer | None = None,
         metrics: Any = None,
         amp_level: str = "O0",
-        loss_scale_manager: Any = None,
+        loss_scale: Any = None,
         dtype: Any = None,
         device: Any = None,
+        *,
+        skip_nonfinite: bool = True,
     ) -> None:
-        if not isinstance(network, torch.nn.Module):
-            raise TypeError(f"network must be a torch.nn.Module, got {type(network).__name__}")
-        if amp_level not in AMP_LEVELS:
-            raise ValueError(f"amp_level={amp_level!r} is not one of {list(AMP_LEVELS)}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        check_instance("network", network, torch.nn.Module, "a torch.nn.Module")
+        check_choice("amp_level", amp_level, AMP_LEVELS)
+        if optimizer is not None:
+            check_instance(
+                "optimizer",
+                optimizer,
+                torch.optim.Optimizer,
+                "a torch.optim.Optimizer or None",
+                hint="pass e.g. optimizer=torch.optim.AdamW(network.parameters())",
             )
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable(logits, targets), got {loss_fn!r}")
+        self._skip_nonfinite = check_bool("skip_nonfinite", skip_nonfinite)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.amp_level = amp_level
         self.loss_fn = loss_fn if loss_fn is not None else torch.nn.CrossEntropyLoss()
         self.metrics = _build_metrics(metrics)
-        if loss_scale_manager is None:
-            self._loss_scale, self._drop_overflow = None, True
-        else:
-            self._loss_scale, self._drop_overflow = resolve_loss_scale(loss_scale_manager)
+        self._loss_scale = None if loss_scale is None else loss_scale_from_spec(loss_scale)
         self.network = network.to(self.device)
         self.optimizer: LossScaleOptimizer | None = None
         self._raw_optimizer = optimizer
@@ -207,8 +199,7 @@ class Model:
                 dtype=self.dtype,
                 loss_scale=self._loss_scale,
             )
-        if self.optimizer is not None and not self._drop_overflow:
-            # FixedLossScaleManager(drop_overflow_update=False): apply even on overflow.
+        if self.optimizer is not None and not self._skip_nonfinite:
             self.optimizer.skip_nonfinite = False
         self._ready = True
 
@@ -252,7 +243,7 @@ class Model:
     ) -> History:
         """Train for ``epochs`` epochs (in total, counting a resumed checkpoint's).
 
-        ``callbacks`` get a :class:`~mixprec.callbacks.RunState` at each hook; a
+        ``callbacks`` get a :class:`~mixprec.train.callbacks.RunState` at each hook; a
         ``History`` is always kept and returned. ``resume`` names a checkpoint written by
         ``ModelCheckpoint``/:meth:`save_checkpoint`: model, optimizer (with loss-scale state,
         master weights, EMA), counters, callbacks and random-number state are restored, so
@@ -260,8 +251,7 @@ class Model:
         epoch's metrics include ``val_<name>``. One host sync per step reads the loss and
         the skip flag for the callbacks.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
+        check_number("epochs", epochs, integer=True, minimum=1, hint="pass e.g. epochs=10")
         self._prepare(train_dataset)
         if self.optimizer is None:
             raise ValueError("this Model has no optimizer: pass optimizer=... to train it")
@@ -271,7 +261,7 @@ class Model:
             self.history = History()
             callbacks.append(self.history)
         cbs = CallbackList(callbacks)
-        self._generator = _loader_generator(train_dataset)
+        self._generator = checkpoint.loader_generator(train_dataset)
         state = RunState(
             epochs=epochs,
             steps_per_epoch=len(train_dataset) if hasattr(train_dataset, "__len__") else None,
@@ -348,50 +338,30 @@ class Model:
     def save_checkpoint(
         self, path: str | Path, state: RunState, callbacks: CallbackList | None = None
     ) -> None:
-        """Write everything needed to continue exactly: model, optimizer, counters, RNG."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "format": CHECKPOINT_FORMAT,
-            "amp_level": self.amp_level,
-            "dtype": str(self.dtype),
-            "epoch": state.epoch,
-            "step": state.step,
-            "model": self.network.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "callbacks": None if callbacks is None else callbacks.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                "loader": None if self._generator is None else self._generator.get_state(),
-            },
-        }
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(payload, tmp)
-        tmp.replace(path)  # a crash mid-save never leaves a half-written checkpoint
+        """Write everything needed to continue exactly: model, optimizer, counters, RNG.
+
+        The file's layout is described in :mod:`mixprec.train.checkpoint`.
+        """
+        checkpoint.save_checkpoint(
+            path,
+            network=self.network,
+            optimizer=self.optimizer,
+            state=state,
+            amp_level=self.amp_level,
+            dtype=self.dtype,
+            callbacks=callbacks,
+            generator=self._generator,
+        )
 
     def _load_checkpoint(self, path: str | Path, state: RunState, callbacks: CallbackList) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"resume={str(path)!r}: no checkpoint file there")
-        payload = torch.load(path, map_location=self.device, weights_only=False)
-        if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"resume={str(path)!r} is not a mixprec checkpoint")
-        if payload["amp_level"] != self.amp_level or payload["dtype"] != str(self.dtype):
-            raise ValueError(
-                f"resume={str(path)!r} was saved with amp_level={payload['amp_level']!r}, "
-                f"dtype={payload['dtype']}; this Model uses amp_level={self.amp_level!r}, "
-                f"dtype={self.dtype}: build the Model the same way to resume"
-            )
-        self.network.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        if payload["callbacks"] is not None:
-            callbacks.load_state_dict(payload["callbacks"])
-        rng = payload["rng"]
-        torch.set_rng_state(rng["torch"].cpu())
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        if rng["loader"] is not None and self._generator is not None:
-            self._generator.set_state(rng["loader"].cpu())
-        state.epoch, state.step = payload["epoch"], payload["step"]
-        state.skipped_steps = int(self.optimizer.skipped_steps)
+        checkpoint.load_checkpoint(
+            path,
+            network=self.network,
+            optimizer=self.optimizer,
+            state=state,
+            amp_level=self.amp_level,
+            dtype=self.dtype,
+            device=self.device,
+            callbacks=callbacks,
+            generator=self._generator,
+        )

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mixprec.callbacks.base import Callback, RunState
+from mixprec._checks import check_instance
+from mixprec.train.callbacks.base import Callback, RunState
 
 __all__ = ["History", "CSVLogger"]
 
@@ -101,8 +102,7 @@ class CSVLogger(Callback):
     BASE_COLUMNS = ("epoch", "step", "loss_scale", "skipped_steps", "samples_per_s")
 
     def __init__(self, path: str | Path, append: bool = False) -> None:
-        if not isinstance(path, (str, Path)):
-            raise TypeError(f"path must be a str or Path, got {type(path).__name__} {path!r}")
+        check_instance("path", path, (str, Path), "a str or Path")
         self.path = Path(path)
         self.append = append
         self._fields: list[str] = list(self.BASE_COLUMNS)

@@ -1,7 +1,7 @@
 """Load user data sets from ``.npz`` and ``.csv`` files, validated.
 
 Both loaders return ``(x, y)`` as float32 features (values as stored, not rescaled)
-and int64 class indices, and raise :class:`~mixprec.data.DataError` with a one-line
+and int64 class indices, and raise :class:`~mixprec.train.data.DataError` with a one-line
 message for a missing file, a malformed file or invalid labels.
 
 CSV layout: one sample per line, comma-separated numbers. If the first line has a
@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mixprec._checks import check_instance
+
 from ._validate import DataError, DataFileNotFoundError, check_arrays
 
 __all__ = ["load_npz", "load_csv"]
@@ -37,11 +39,13 @@ LABEL_COLUMN = "label"
 
 
 def _existing_file(path: str | os.PathLike[str], kind: str) -> Path:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            f"path must be a str or os.PathLike, got {type(path).__name__} {path!r}; "
-            f"pass the {kind} file's name"
-        )
+    check_instance(
+        "path",
+        path,
+        (str, os.PathLike),
+        "a str or os.PathLike",
+        hint=f"pass the {kind} file's name",
+    )
     p = Path(path)
     if not p.exists():
         raise DataFileNotFoundError(f"{kind} file not found: {str(p)!r}; check the path")
@@ -69,7 +73,7 @@ def load_npz(
     >>> load_npz(p)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    mixprec.data.DataError: ...: missing array(s) 'x', 'y'; found: 'features'; ...
+    mixprec.train.data.DataError: ...: missing array(s) 'x', 'y'; found: 'features'; ...
     """
     p = _existing_file(path, "npz")
     source = str(p)
@@ -120,7 +124,7 @@ def load_csv(
 
     See the module docstring for the header rule. Blank lines are skipped; a row
     with the wrong number of fields or a non-numeric value raises
-    :class:`~mixprec.data.DataError` naming the line and column.
+    :class:`~mixprec.train.data.DataError` naming the line and column.
 
     >>> import os, tempfile
     >>> p = os.path.join(tempfile.mkdtemp(), "toy.csv")

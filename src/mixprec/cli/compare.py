@@ -1,0 +1,88 @@
+"""``mixprec compare``: train the same model at several amp levels and print one table.
+
+Each level trains in a fresh process, so its peak memory is its own and not whatever
+the levels before it left behind. The table (accuracy, loss, median step time, peak
+memory, skipped steps) is also written to ``compare.json`` and plotted to
+``compare.png`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+from mixprec.cli.args import DEFAULTS, UsageError
+from mixprec.cli.train import build_run, check_out_dir, load_data
+from mixprec.tools.memory import peak_rss_mib, reset_peak_rss
+from mixprec.train.callbacks import History
+from mixprec.train.loop import AMP_LEVELS
+from mixprec.train.plots import plot_comparison
+
+__all__ = ["run_compare"]
+
+
+def _compare_one(args: argparse.Namespace, level: str) -> dict[str, Any]:
+    """Train one level in this (fresh) process and measure it."""
+    model, train, test, schedule = build_run(args, level)
+    reset_peak_rss()  # count this level's training, not the imports before it
+    step_times: list[float] = []
+
+    class _Timer(History):
+        def on_step_end(self, state):  # noqa: ANN001
+            step_times.append(1.0 / max(state.samples_per_s, 1e-9) * args.batch_size)
+
+    if torch.cuda.is_available() and model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model.train(args.epochs, train, callbacks=[schedule, _Timer()])
+    final = model.eval(test)
+    if model.device.type == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mb = peak_rss_mib()
+    return {
+        "config": level if level == "O0" else f"{level} {str(model.dtype).replace('torch.', '')}",
+        "accuracy": final["accuracy"],
+        "loss": final["loss"],
+        "step_ms": 1000 * statistics.median(step_times[len(step_times) // 5 :] or step_times),
+        "peak_mb": peak_mb,
+        "skipped_steps": int(model.optimizer.skipped_steps),
+    }
+
+
+def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Train each of ``--levels`` in its own process; print, save and plot the table."""
+    args.epochs = DEFAULTS["epochs"] if args.epochs is None else args.epochs
+    levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
+    bad = [lv for lv in levels if lv not in AMP_LEVELS]
+    if bad or not levels:
+        raise UsageError(
+            f"--levels: unknown level(s) {bad or levels}; choose from {', '.join(AMP_LEVELS)}"
+        )
+    check_out_dir(args.out)
+    load_data(args)  # fail on bad data before spawning anything
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    ctx = multiprocessing.get_context("spawn")
+    for level in levels:
+        with ctx.Pool(1) as pool:  # a fresh process: its peak RSS is this level's own
+            rows.append(pool.apply(_compare_one, (args, level)))
+        if not args.quiet:
+            print(f"  done: {rows[-1]['config']}", file=sys.stderr)
+    header = f"{'config':<16}{'accuracy':>9}{'loss':>8}{'ms/step':>9}{'peak MB':>9}{'skipped':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['config']:<16}{r['accuracy']:>9.4f}{r['loss']:>8.4f}{r['step_ms']:>9.2f}"
+            f"{r['peak_mb']:>9.0f}{r['skipped_steps']:>9d}"
+        )
+    (args.out / "compare.json").write_text(json.dumps(rows, indent=2))
+    plot_comparison(rows, args.out / "compare.png")
+    print(f"wrote compare.json and compare.png to {args.out}")
+    return rows

@@ -1,0 +1,56 @@
+"""Validation of ``LossScaleOptimizer``'s options, all at once and before anything changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec._checks import check_bool, check_number
+from mixprec.optim.accumulation import check_accumulation_steps
+from mixprec.optim.clipping import check_clip_options
+from mixprec.optim.ema import ParameterEMA
+from mixprec.optim.master_weights import MasterWeights
+
+__all__ = ["check_options"]
+
+
+def check_options(
+    inner_optimizer: torch.optim.Optimizer,
+    *,
+    master_weights: Any,
+    clipnorm: Any,
+    clipvalue: Any,
+    global_clipnorm: Any,
+    weight_decay: Any,
+    use_ema: Any,
+    ema_momentum: Any,
+    ema_overwrite_frequency: Any,
+    loss_scale_factor: Any,
+    gradient_accumulation_steps: Any,
+    skip_nonfinite: Any,
+) -> int | None:
+    """Raise ``TypeError``/``ValueError`` for a bad option; return the accumulation steps.
+
+    >>> import torch
+    >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    >>> check_options(sgd, master_weights=False, clipnorm=None, clipvalue=None,
+    ...               global_clipnorm=None, weight_decay=None, use_ema=False, ema_momentum=0.99,
+    ...               ema_overwrite_frequency=None, loss_scale_factor=None,
+    ...               gradient_accumulation_steps=4, skip_nonfinite=True)
+    4
+    """
+    check_clip_options(clipnorm, clipvalue, global_clipnorm)
+    check_number("weight_decay", weight_decay, minimum=0, allow_none=True)
+    check_number(
+        "loss_scale_factor", loss_scale_factor, minimum=0, exclusive=True, allow_none=True
+    )
+    accumulation = check_accumulation_steps(gradient_accumulation_steps)
+    check_bool("master_weights", master_weights)
+    check_bool("use_ema", use_ema)
+    check_bool("skip_nonfinite", skip_nonfinite)
+    if use_ema:
+        ParameterEMA([], ema_momentum, ema_overwrite_frequency)  # validates only
+    if master_weights:
+        MasterWeights.check(inner_optimizer)
+    return accumulation

@@ -1,0 +1,10 @@
+"""Measuring tools used by tests, benchmarks and the CLI: host-sync counting, memory readings.
+
+* :class:`~mixprec.tools.syncs.HostSyncCounter` - counts device-to-host syncs in a block.
+* :mod:`mixprec.tools.memory` - this process's current and peak resident memory.
+"""
+
+from mixprec.tools.memory import peak_rss_mib, reset_peak_rss
+from mixprec.tools.syncs import HostSyncCounter
+
+__all__ = ["HostSyncCounter", "peak_rss_mib", "reset_peak_rss"]
