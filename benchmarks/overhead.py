@@ -57,9 +57,9 @@ from benchmarks._common import (
     summarize,
     workload_parser,
 )
-from mixprec.train.models import MLP
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer
+from mixprec.train.models import MLP
 
 __all__ = [
     "ManySmall",

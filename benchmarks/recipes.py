@@ -11,8 +11,8 @@ recipe                    one training step
                           usual copy-paste recipe)
 ``O1``, ``O2``, ``O3``    ``model, opt = mixprec.amp.initialize(model, opt, level, dtype)``;
                           ``opt.scale_loss(loss).backward(); opt.step()``
-``rewrite``               ``model, opt = mixprec.rewrite.enable_mixed_precision_graph_rewrite(
-                          model, opt, loss_scale, dtype, example_inputs=(x,))``
+``rewrite``               ``model = mixprec.rewrite.rewrite(model, (x,), dtype)``;
+                          ``opt = mixprec.LossScaleOptimizer(opt, loss_scale)``
 ========================  =====================================================================
 
 Every recipe starts from the same float32 weights (``torch.manual_seed`` before the
@@ -167,12 +167,12 @@ def build_recipe(
         return Recipe(
             name, dtype, model, opt, _scaled_step(model, opt), _logits(model, device_type, None)
         )
-    from mixprec.rewrite import enable_mixed_precision_graph_rewrite
+    from mixprec import LossScaleOptimizer
+    from mixprec.rewrite import rewrite
 
     loss_scale = "dynamic" if dtype == torch.float16 else "none"
-    graph, opt = enable_mixed_precision_graph_rewrite(
-        model, inner, loss_scale=loss_scale, dtype=dtype, example_inputs=(example_x,)
-    )
+    graph = rewrite(model, (example_x,), dtype=dtype)
+    opt = LossScaleOptimizer(inner, loss_scale)
     return Recipe(
         name, dtype, graph, opt, _scaled_step(graph, opt), _logits(graph, device_type, None)
     )

@@ -462,7 +462,7 @@ How the numbers are taken:
 - Recipes: `fp32`; `autocast` (`torch.autocast`, plain backward, PyTorch's
   bfloat16 recipe); `autocast+gradscaler` (PyTorch's float16 recipe, kept for
   bfloat16 as the usual copy-paste recipe); `O1`-`O3` (`mixprec.amp.initialize`);
-  `rewrite` (`mixprec.rewrite.enable_mixed_precision_graph_rewrite`). All use
+  `rewrite` (`mixprec.rewrite.rewrite` + `LossScaleOptimizer`). All use
   AdamW (fused where available), the same initial weights, float32 loss; loss
   scaling is dynamic for float16 and off for bfloat16.
 - CPU runs use bfloat16 only: float16 matrix products have no hardware units on

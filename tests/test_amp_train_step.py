@@ -9,10 +9,10 @@ from torch import nn
 
 from mixprec import amp
 from mixprec.compat import mindspore as ms
-from mixprec.train import TrainStep
-from mixprec.loss_scale import DynamicLossScale, StaticLossScale
 from mixprec.compat.mindspore.managers import DynamicLossScaleManager, FixedLossScaleManager
+from mixprec.loss_scale import DynamicLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
+from mixprec.train import TrainStep
 
 
 @pytest.fixture(autouse=True, scope="module")

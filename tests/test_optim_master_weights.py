@@ -9,6 +9,7 @@ import io
 import pytest
 import torch
 
+from mixprec.compat.tf import TFOptimizerAPI
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
 
@@ -103,7 +104,9 @@ def test_gradients_are_unscaled_in_float32_not_in_float16(path):
     # True gradient 2**-26: far below float16's smallest subnormal (2**-24), but
     # 2**-11 once scaled by 2**15. Only a float32 unscale keeps it.
     w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
-    opt = LossScaleOptimizer(
+    # minimize is TensorFlow's method: the core optimizer with the compat.tf methods mixed in.
+    cls = LossScaleOptimizer if path == "step" else type("Opt", (TFOptimizerAPI, LossScaleOptimizer), {})
+    opt = cls(
         torch.optim.SGD([w], lr=2.0**16), loss_scale=StaticLossScale(2.0**15), master_weights=True
     )
     c = torch.full((4,), 2.0**-12, dtype=torch.float16)

@@ -7,10 +7,10 @@ import torch
 from torch import fx, nn
 
 from mixprec._api_guard import claim_model, model_api
+from mixprec.compat.tf import enable_mixed_precision_graph_rewrite
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import policy_scope
-from mixprec.compat.tf import enable_mixed_precision_graph_rewrite
 from mixprec.rewrite import AmpLists, CastCounter, count_casts, explain, rewrite
 
 

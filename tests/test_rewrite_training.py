@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.train.data import load_digits
-from mixprec.loss_scale import DynamicLossScale
 from mixprec.compat.tf import enable_mixed_precision_graph_rewrite
+from mixprec.loss_scale import DynamicLossScale
+from mixprec.train.data import load_digits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from mixprec import DynamicLossScale, LossMonitor, Model, ModelCheckpoint, StaticLossScale
+from mixprec import DynamicLossScale, Model, StaticLossScale
 from mixprec.compat.mindspore import DynamicLossScaleManager, FixedLossScaleManager
 from mixprec.compat.mindspore import Model as MindSporeModel
+from mixprec.train.callbacks import LossMonitor, ModelCheckpoint
 from mixprec.train.data import make_loaders, train_test_loaders
 from mixprec.train.models import MLP
 

@@ -18,7 +18,7 @@ parses back to an equal policy::
                                                       float32|float, f16|fp16|float16|half,
                                                       bf16|bfloat16, f64|fp64|float64|double
 
-Output dtype of the ``mixed_*`` policies: the compute dtype, as in Keras (variables
+Output dtype of the ``mixed_*`` policies: the compute dtype (variables
 float32, computations and layer outputs float16). A layer's output is usually the
 next layer's input, so keeping it in the compute dtype avoids a cast back and forth
 between every pair of layers; a model's *final* output is cast to float32 by

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
 
-from mixprec.train.callbacks import Callback
 from mixprec.compat import mindspore as ms
+from mixprec.train.callbacks import Callback
 from mixprec.train.models import LeNet5
 
 LN10 = math.log(10.0)

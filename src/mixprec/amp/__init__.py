@@ -1,8 +1,8 @@
-"""Mixed precision on module granularity: policies per module and Apex/MindSpore levels.
+"""Mixed precision on module granularity: policies per module and levels O0-O3.
 
 * :func:`initialize` - levels O0-O3 and ``auto`` for a whole model and its optimizer.
 * :func:`set_policy`, :func:`to_float` - a :class:`~mixprec.Policy` for one module
-  (Keras's per-layer ``dtype=``, MindSpore's ``Cell.to_float``).
+  (one layer's own precision).
 * :func:`get_white_list`, :func:`get_black_list` - the default allow / deny lists.
 
 >>> import torch

@@ -347,7 +347,7 @@ class ModuleAmp:
         policy = self.policy
         if output is None or policy.output_dtype == policy.compute_dtype:
             # The output stays as computed: normally the compute dtype, but a nested
-            # float32 layer's output stays float32 (Keras: a model's output is its
+            # float32 layer's output stays float32 (a model's output is its
             # last layer's, Dense(2, dtype="float32") gives float32).
             return None
         return cast_floating(output, policy.output_dtype)

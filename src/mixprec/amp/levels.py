@@ -1,4 +1,4 @@
-"""``amp.initialize``: precision levels O0-O3 (Apex / MindSpore) on module granularity.
+"""``amp.initialize``: precision levels O0-O3 on module granularity.
 
 ::
 
@@ -149,7 +149,7 @@ def _plan(
 
 
 def _default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
-    # O2 is dynamic for both dtypes (Apex/MindSpore's O2): with bfloat16 it never backs
+    # O2 is dynamic for both dtypes (the classic O2): with bfloat16 it never backs
     # off on finite gradients and costs nothing more than the finite check every
     # level runs anyway. O1 scales only float16, whose gradients can underflow.
     if level == "O2" or (level == "O1" and dtype == torch.float16):

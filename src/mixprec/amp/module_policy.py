@@ -1,7 +1,6 @@
 """Per-module precision: give one module (and its submodules) a :class:`~mixprec.Policy`.
 
-``set_policy(module, policy)`` is the PyTorch counterpart of Keras's per-layer
-``dtype=`` and MindSpore's ``Cell.to_float``: the module's parameters are stored in
+``set_policy(module, policy)`` gives one layer its own precision: the module's parameters are stored in
 ``policy.param_dtype``, its floating inputs are cast to ``policy.compute_dtype`` on
 entry (a forward pre-hook), its parameters are cast to the compute dtype on the fly
 when the two differ (one cached cast per optimizer step), and its floating outputs
@@ -11,12 +10,11 @@ except submodules that have a policy of their own, so one layer can stay float32
 inside a float16 model::
 
     set_policy(model, "mixed_float16")         # parameters fp32, compute fp16
-    set_policy(model.head, "float32")          # the head computes in fp32 (Keras'
-                                               # Dense(2, dtype="float32") example)
+    set_policy(model.head, "float32")          # the head computes in fp32
 
 Inside a region every module holding parameters casts its own inputs to the
 region's compute dtype, so the float32 output of the head above can feed another
-float16 layer without a dtype error (Keras layers do the same). Functional code
+float16 layer without a dtype error. Functional code
 between modules sees whatever dtype arrives: ``a + b`` of a float16 and a float32
 tensor promotes to float32, as in plain PyTorch.
 
@@ -182,7 +180,7 @@ def set_policy(module: nn.Module, policy: PolicyLike | None = None) -> None:
 
 
 def to_float(module: nn.Module, dtype: torch.dtype | str) -> None:
-    """Compute ``module`` in ``dtype`` with float32 parameters (MindSpore ``Cell.to_float``).
+    """Compute ``module`` in ``dtype`` with float32 parameters.
 
     The same as ``set_policy(module, Policy(param_dtype=torch.float32,
     compute_dtype=dtype, output_dtype=dtype))``: inputs are cast to ``dtype`` on

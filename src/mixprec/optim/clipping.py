@@ -1,6 +1,6 @@
 """Gradient clipping on unscaled gradients, with fused multi-tensor ops.
 
-The three Keras options, in PyTorch terms. All take a list of gradients that are
+The three clipping options. All take a list of gradients that are
 already unscaled (clipping scaled gradients would clip at ``scale`` times the
 intended threshold, the mistake this module exists to avoid) and work in place
 without host syncs.

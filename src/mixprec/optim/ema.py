@@ -1,6 +1,6 @@
 """Exponential moving average of parameters, updated only on applied steps.
 
-Keras semantics: the average starts as a copy of the parameters at the first
+The average starts as a copy of the parameters at the first
 applied step and then follows ``avg = m * avg + (1 - m) * param``. Every update
 takes an ``applied`` flag tensor (0 on a skipped step), so a skipped step leaves
 the average untouched without a host sync. Averages are kept in float32 even

@@ -3,7 +3,7 @@
 The model is
 captured as a ``torch.fx`` graph (``torch.export``, else ``symbolic_trace``);
 each op is classified by four lists (Allow, Infer, Deny, Clear), the graph is
-painted with TensorFlow's algorithm, and casts are inserted only where painted
+painted with the classic painting algorithm, and casts are inserted only where painted
 and float32 ops meet: one per value and dtype, none where type promotion already
 reads a low-precision input in float32. Parameters stay float32 master weights,
 cast inside the graph.
@@ -25,7 +25,15 @@ converted 3/3 ops to bfloat16 using 4 casts
 from mixprec.rewrite.api import rewrite
 from mixprec.rewrite.capture import CaptureError
 from mixprec.rewrite.explain import CastCounter, ReportRow, RewriteReport, count_casts, explain
-from mixprec.rewrite.lists import ALLOW, CLEAR, DENY, INFER, PAINT_LEVELS, AmpLists, normalize_op_name
+from mixprec.rewrite.lists import (
+    ALLOW,
+    CLEAR,
+    DENY,
+    INFER,
+    PAINT_LEVELS,
+    AmpLists,
+    normalize_op_name,
+)
 
 __all__ = [
     "ALLOW",

@@ -163,7 +163,7 @@ INFER = frozenset(
         "alpha_dropout",
         "feature_alpha_dropout",
         "native_dropout",
-        # batch_norm (contested, made Infer as in TensorFlow's FusedBatchNorm): the
+        # batch_norm (contested, made Infer as fused batch norm usually is): the
         # PyTorch kernels accept a float16/bfloat16 input with float32 weight, bias
         # and running statistics, and accumulate the batch statistics in float32.
         # The rewrite never casts those four arguments, so the running statistics
@@ -244,7 +244,7 @@ CLEAR = frozenset(
         "abs",
         "neg",
         "sign",
-        # Rounding to integers is exact in any float format that holds the value (TF's
+        # Rounding to integers is exact in any float format that holds the value (the classic
         # ClearList names Floor).
         "floor",
         "ceil",

@@ -9,7 +9,7 @@ of their out-of-place op (``relu_`` is ``"relu"``). Graphs captured without
 ``x.view(...)`` is ``"view"``. :func:`normalize_op_name` also accepts the spellings
 ``"aten.addmm"``, ``"aten::addmm"``, ``"torch.ops.aten.addmm.default"``.
 
-The lists, after TensorFlow's ``AutoMixedPrecisionLists`` (defaults, with the
+The lists, after the classic auto-mixed-precision lists (defaults, with the
 reasons for each entry, in :mod:`mixprec.rewrite.defaults`):
 
 * Allow: numerically safe and much faster in low precision; always converted.

@@ -1,4 +1,4 @@
-"""Paint a float32 graph: decide which ops run in low precision, TensorFlow's way.
+"""Paint a float32 graph: decide which ops run in low precision, the classic way.
 
 The vertices are the ops that produce float32 tensors; edges carry float32 tensors
 (an element picked from a tuple of outputs counts as an edge from the tuple's op).
