@@ -705,12 +705,15 @@ def test_compat_names_are_the_core_ones():
     """Adapters only: the managers, LossMonitor and to_float are the core objects."""
     import mixprec
     from mixprec import amp
+    from mixprec.compat.mindspore import managers
+    from mixprec.train import callbacks
 
-    assert ms.FixedLossScaleManager is mixprec.FixedLossScaleManager
-    assert ms.DynamicLossScaleManager is mixprec.DynamicLossScaleManager
-    assert ms.LossMonitor is mixprec.LossMonitor
+    assert ms.FixedLossScaleManager is managers.FixedLossScaleManager
+    assert ms.DynamicLossScaleManager is managers.DynamicLossScaleManager
+    assert ms.LossMonitor is callbacks.LossMonitor
     assert ms.to_float is amp.to_float
     assert issubclass(ms.Model, mixprec.Model)
+    assert isinstance(managers.DynamicLossScaleManager().build_loss_scale(), mixprec.LossScale)
 
 
 # -- the remaining names of the examples ----------------------------------------------------

@@ -24,7 +24,7 @@ def joint_step(*optimizers: LossScaleOptimizer) -> None:
     >>> b = LossScaleOptimizer(torch.optim.SGD([w2], lr=0.1), shared)
     >>> a.scale_loss(w1.sum()).backward(); b.scale_loss(w2.sum() * float("inf")).backward()
     >>> joint_step(a, b)
-    >>> float(w1), float(shared.scale)          # b overflowed: both skipped, scale halved
+    >>> float(w1.detach()), float(shared.scale)  # b overflowed: both skipped, scale halved
     (1.0, 2.0)
     """
     if not optimizers or not all(isinstance(o, LossScaleOptimizer) for o in optimizers):
