@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._checks import check_bool
 from mixprec.amp.cast_hooks import FunctionLists, get_state
 from mixprec.amp.lists import check_list, get_black_list, get_white_list, split_list
 from mixprec.amp.module_policy import _walk_region, apply_policies, check_module, claim_tree
@@ -249,10 +250,8 @@ def initialize(
             "optimizer is already a LossScaleOptimizer; pass the plain optimizer, "
             "initialize wraps it for the level"
         )
-    if keep_batchnorm_fp32 is not None and not isinstance(keep_batchnorm_fp32, bool):
-        raise TypeError(
-            f"keep_batchnorm_fp32 must be True, False or None, got {keep_batchnorm_fp32!r}"
-        )
+    if keep_batchnorm_fp32 is not None:
+        check_bool("keep_batchnorm_fp32", keep_batchnorm_fp32, hint="or None for the default")
     white = check_list("white_list", white_list)
     black = check_list("black_list", black_list)
     level, dtype = resolve_level(model, level, dtype)

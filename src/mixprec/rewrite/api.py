@@ -19,6 +19,7 @@ import torch
 from torch import fx, nn
 
 from mixprec._api_guard import claim_model, model_api
+from mixprec._checks import check_bool
 from mixprec.dtypes import as_low_precision
 from mixprec.rewrite.capture import capture
 from mixprec.rewrite.casts import apply_plan
@@ -113,8 +114,7 @@ def rewrite(
     if not isinstance(level, str):
         raise TypeError(f"level must be a string, got {level!r} ({type(level).__name__})")
     check_level(level)
-    if not isinstance(keep_output_dtype, bool):
-        raise TypeError(f"keep_output_dtype must be True or False, got {keep_output_dtype!r}")
+    check_bool("keep_output_dtype", keep_output_dtype)
     effective = lists.with_env()
 
     captured = capture(model, example_inputs)
