@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mixprec.cli.args import DEFAULTS, UsageError
-from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from mixprec.loss_scale import LossScale, loss_scale_from_spec
 from mixprec.train.callbacks import CSVLogger, History, LRScheduler, ModelCheckpoint, ProgressBar
 from mixprec.train.data import infer_num_classes, load_csv, load_npz, train_test_loaders
 from mixprec.train.loop import Model, resolve_device
@@ -56,11 +56,8 @@ def load_data(args: argparse.Namespace):
 
 
 def _loss_scale(text: str) -> LossScale:
-    if text == "dynamic":
-        return DynamicLossScale()
-    if text == "none":
-        return NoOpLossScale()
-    return StaticLossScale(float(text))
+    # --loss-scale is checked by the parser: 'dynamic', 'none' or a positive number.
+    return loss_scale_from_spec(text if text in ("dynamic", "none") else float(text))
 
 
 def build_run(args: argparse.Namespace, level: str):
