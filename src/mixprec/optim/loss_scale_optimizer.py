@@ -266,12 +266,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         self._inner.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if "_inner" not in self.__dict__:  # torch's constructor, on the inner groups
-            return super().add_param_group(param_group)
-        if self._master is not None:
+        # .get: torch's constructor calls this before the parts below exist.
+        if self.__dict__.get("_master") is not None:
             param_group = self._master.add_param_group(param_group)
-        self._inner.add_param_group(param_group)
-        if self._ema is not None:
+        super().add_param_group(param_group)
+        if self.__dict__.get("_ema") is not None:
             self._ema = ParameterEMA(
                 self._stepped_params(), self._ema.momentum, self._ema.overwrite_frequency
             )
