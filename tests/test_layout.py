@@ -15,7 +15,7 @@ import mixprec
 from mixprec._moved import MOVED_MODULES, MOVED_NAMES
 
 SRC = pathlib.Path(mixprec.__file__).parent
-CORE = ["loss_scale.py", "numerics.py", "policy.py", "dtypes.py", "_checks.py", "optim", "amp",
+CORE = ["loss_scale", "numerics.py", "policy.py", "dtypes.py", "_checks.py", "optim", "amp",
         "rewrite"]  # fmt: skip
 SEED_WORDS = ("tensorflow", "keras", "mindspore", "manager", "sens")
 

@@ -177,35 +177,46 @@ def test_skipped_step_changes_nothing(kind, fused):
 # -- host syncs -------------------------------------------------------------------------
 
 
-def count_step_syncs(inner_factory) -> dict[str, int]:
+def count_step_syncs(inner_factory, warm_up: bool = True) -> dict[str, int]:
     """Host syncs of one step: the wrapper's, GradScaler's, and the bare inner optimizer's.
 
     Non-capturable Adam reads its CPU step counter with ``.item()``: on a GPU that is
     no device sync, but the counter sees it; so what the wrapper *adds* is compared.
+    With ``warm_up`` one step runs first, uncounted: a fused optimizer's first step
+    (the one that creates its state) reads the overflow flag once, so that a skipped
+    first step leaves no state behind.
     """
     counts = {}
     for mode in ("mixprec", "gradscaler", "inner"):
         model = make_model()
         inner = inner_factory(model.parameters())
         x, y = batch()
-        loss = F.mse_loss(model(x), y)
-        if mode == "gradscaler":
-            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-            scaler.scale(loss).backward()
-            with HostSyncCounter() as syncs:
-                scaler.step(inner)
-                scaler.update()
-        elif mode == "mixprec":
-            opt = LossScaleOptimizer(inner, DynamicLossScale(initial_scale=1024.0))
-            opt.scale_loss(loss).backward()
-            with HostSyncCounter() as syncs:
-                opt.step()
-        else:
-            loss.backward()
-            with HostSyncCounter() as syncs:
-                inner.step()
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        opt = LossScaleOptimizer(inner, DynamicLossScale(initial_scale=1024.0))
+        for counted in ([False, True] if warm_up else [True]):
+            loss = F.mse_loss(model(x), y)
+            syncs = HostSyncCounter()
+            if mode == "gradscaler":
+                scaler.scale(loss).backward()
+                with syncs:
+                    scaler.step(inner)
+                    scaler.update()
+            elif mode == "mixprec":
+                opt.scale_loss(loss).backward()
+                with syncs:
+                    opt.step()
+            else:
+                loss.backward()
+                with syncs:
+                    inner.step()
+            inner.zero_grad()
         counts[mode] = syncs.count
     return counts
+
+
+def test_fused_first_step_reads_the_flag_once():
+    counts = count_step_syncs(lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), False)
+    assert counts["mixprec"] - counts["inner"] == 1
 
 
 @pytest.mark.parametrize(
@@ -277,7 +288,9 @@ def test_load_state_dict_rejects_mismatch_and_changes_nothing():
     other = LossScaleOptimizer(torch.optim.SGD([w], lr=1.0), 2.0)
     with pytest.raises(ValueError, match="loss scale"):
         opt.load_state_dict(other.state_dict())
-    with pytest.raises(ValueError, match="not a LossScaleOptimizer state dict"):
+    with pytest.raises(ValueError, match="not an optimizer state dict"):
+        opt.load_state_dict({"inner": {}, "loss_scale": {}})
+    with pytest.raises(ValueError, match="different number of parameter groups"):
         opt.load_state_dict({"state": {}, "param_groups": []})
     assert float(opt.loss_scale) == 8.0
 

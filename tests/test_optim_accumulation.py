@@ -181,6 +181,7 @@ def test_manual_gradients_average_exactly_with_master_weights():
     # once unscaled, so they must be summed in float32 after the unscale.
     for g in (1.0, 3.0):
         w.grad = torch.full((3,), g * 2.0**-20 * 2.0**12, dtype=torch.float16)
+        opt.loss_scaler.mark_scaled()  # gradients scaled by hand
         opt.step()
         opt.zero_grad()
     master = opt.param_groups[0]["params"][0]
@@ -225,7 +226,7 @@ def test_a_checkpoint_in_the_middle_of_a_window_continues_identically():
     lost.load_state_dict(ckpt["model"])
     lost_opt = build(lost)
     sd = ckpt["opt"]
-    sd["accumulation"] = build(tiny_mlp()).state_dict()["accumulation"]
+    sd["accumulation"] = build(tiny_mlp()).state_dict()["mixprec"]["accumulation"]
     lost_opt.load_state_dict(sd)
     for i in range(5, 9):
         micro_step(lost_opt, lost, i)

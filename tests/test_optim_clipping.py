@@ -40,6 +40,7 @@ def set_scaled_grads(opt: LossScaleOptimizer, params, grads) -> None:
     assert s > 1.0 or opt.loss_scale_factor is None  # the scale must make a difference
     for p, g in zip(params, grads):
         p.grad = (g * s).to(p.dtype)
+    opt.loss_scaler.mark_scaled()  # as scale_loss would
 
 
 def tiny_mlp(seed: int = 0) -> torch.nn.Module:
@@ -237,6 +238,7 @@ def test_clipping_never_hides_an_overflow(kind, option):
     opt = LossScaleOptimizer(inner, loss_scale=KINDS[kind](), **option)
     before_w, scale_before = w.detach().clone(), float(opt.loss_scale)
     w.grad = torch.tensor([float("inf"), 1.0, -1.0, 2.0])
+    opt.loss_scaler.mark_scaled()
     opt.step()
     assert torch.equal(w.detach(), before_w)
     assert inner.state == {} or all(not s for s in inner.state.values())
@@ -354,6 +356,7 @@ def test_weight_decay_is_not_applied_on_skipped_steps(kind, fused):
 
     before = w.detach().clone()
     w.grad = torch.tensor([1.0, float("nan"), 1.0])
+    opt.loss_scaler.mark_scaled()
     opt.step()
     assert torch.equal(w.detach(), before)  # no decay factor (0.875) slipped in
     assert int(opt.iterations) == 1 and int(opt.skipped_steps) == 1
@@ -401,6 +404,7 @@ def test_loss_scale_factor_is_independent_of_the_dynamic_scale():
         loss_scale_factor=8.0,
     )
     w.grad = torch.tensor([float("inf"), 0.0, 0.0])
+    opt.loss_scaler.mark_scaled()
     opt.step()  # overflow: the dynamic scale halves, the factor stays
     assert float(opt.loss_scale) == 128.0 and opt.loss_scale_factor == 8.0
     assert float(opt.scale_loss(torch.tensor(1.0))) == 128.0 * 8.0

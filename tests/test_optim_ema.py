@@ -49,7 +49,7 @@ def ema_step(opt, model, seed: int, overflow: bool = False) -> None:
 
 
 def averages(opt) -> list[torch.Tensor]:
-    return [a.clone() for a in opt.state_dict()["ema"]["averages"]]
+    return [a.clone() for a in opt.state_dict()["mixprec"]["ema"]["averages"]]
 
 
 def keras_ema(trajectory: list[list[torch.Tensor]], momentum: float) -> list[torch.Tensor]:

@@ -87,6 +87,7 @@ def test_masters_follow_a_float32_optimizer_bit_for_bit(dtype, kind, optimizer):
     ref_opt = OPTIMIZERS[optimizer]([ref])
     for g in grads:
         w.grad = (g * opt.loss_scale).to(dtype)  # what backward of the scaled loss gives
+        opt.loss_scaler.mark_scaled()
         opt.step()
         opt.zero_grad()
         ref.grad = g
@@ -222,17 +223,18 @@ def build_everything(model):
 
 def everything(opt, model) -> list[torch.Tensor]:
     sd = opt.state_dict()
-    inner = [v for s in sd["inner"]["state"].values() for v in s.values()]
-    scale = list(sd["loss_scale"]["state"].values())
-    counters = list(sd["counters"].values())
-    acc = [s for s in sd["accumulation"]["sums"] if s is not None]
+    inner = [v for s in sd["state"].values() for v in s.values()]
+    own = sd["mixprec"]
+    scale = list(own["loss_scale"]["state"].values())
+    counters = list(own["counters"].values())
+    acc = [s for s in own["accumulation"]["sums"] if s is not None]
     return (
         [p.detach() for p in model.parameters()]
         + [m.detach() for m in masters_of(opt)]
         + inner
         + scale
         + counters
-        + sd["ema"]["averages"]
+        + own["ema"]["averages"]
         + acc
     )
 
@@ -249,7 +251,7 @@ def test_a_restored_checkpoint_continues_bit_for_bit(dtype):
     buf.seek(0)
     ckpt = torch.load(buf)
 
-    saved = ckpt["opt"]["master"]["masters"]
+    saved = ckpt["opt"]["mixprec"]["master"]["masters"]
     assert all(m.dtype == torch.float32 for m in saved)
     assert all(torch.equal(s, m) for s, m in zip(saved, masters_of(opt)))
     # The masters carry bits the low-precision model does not: rebuilding them from the

@@ -23,10 +23,11 @@ from mixprec.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
+    ScaleCollapseError,
     StaticLossScale,
     loss_scale_from_spec,
 )
-from mixprec.optim import LossScaleOptimizer, joint_step
+from mixprec.optim import GradScaler, LossScaleOptimizer, joint_step
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
 from mixprec.train import Model, TrainStep
 
@@ -34,11 +35,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScale",
+    "GradScaler",
     "LossScale",
     "LossScaleOptimizer",
     "Model",
     "NoOpLossScale",
     "Policy",
+    "ScaleCollapseError",
     "StaticLossScale",
     "TrainStep",
     "amp",

@@ -367,4 +367,4 @@ def test_public_optimizer_methods_reach_the_inner_optimizer():
     extra = nn.Parameter(torch.zeros(2))
     opt.add_param_group({"params": [extra]})
     assert inner.param_groups[-1]["params"] == [extra]
-    assert opt.state_dict()["inner"]["param_groups"] == inner.state_dict()["param_groups"]
+    assert opt.state_dict()["param_groups"] == inner.state_dict()["param_groups"]

@@ -205,8 +205,7 @@ class TFOptimizerAPI:
     def _apply_pairs(
         self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]], scaled: bool
     ) -> None:
-        """Step with the given gradients, still scaled or already unscaled: they stand in
-        ``.grad`` for the one step, and the gradients that were there come back after."""
+        """Step on these gradients (scaled or not) in ``.grad``; the old ones come back after."""
         pairs = list(grads_and_vars)
         own = self.model_params()
         own_ids = {id(p) for p in own}
@@ -230,6 +229,8 @@ class TFOptimizerAPI:
         for g, p in pairs:
             # A private copy: the step unscales in place, and g may be shared or expanded.
             p.grad = None if g is None else g.detach().to(p.dtype, copy=True).contiguous()
+        if scaled:  # gradients of a scaled loss, handed over by the caller
+            self.loss_scaler.mark_scaled()
         try:
             self._step(unscaled=not scaled)
         finally:

@@ -70,6 +70,17 @@ class GradientAccumulator:
         self.sums, self.found_inf, self.micro_step = [], None, 0
         return averages, found_inf
 
+    def window(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> torch.Tensor | None:
+        """Add ``params``' gradients; at the end of a window put the averages in their
+        ``.grad`` (in each parameter's dtype) and return the window's ``found_inf``,
+        otherwise return ``None``."""
+        if not self.add([p.grad for p in params], found_inf):
+            return None
+        averages, found_inf = self.pop_average()
+        for p, avg in zip(params, averages):
+            p.grad = None if avg is None else avg.to(p.dtype)
+        return found_inf
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "micro_step": self.micro_step,

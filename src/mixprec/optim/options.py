@@ -40,6 +40,14 @@ def check_options(
     ...               gradient_accumulation_steps=4, skip_nonfinite=True)
     4
     """
+    if not isinstance(inner_optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}"
+        )
+    if hasattr(inner_optimizer, "loss_scaler"):
+        raise ValueError(
+            "inner_optimizer is already a LossScaleOptimizer; wrap the plain optimizer once"
+        )
     check_clip_options(clipnorm, clipvalue, global_clipnorm)
     check_number("weight_decay", weight_decay, minimum=0, allow_none=True)
     check_number(

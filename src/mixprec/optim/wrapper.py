@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerWrapper", "step_or_skip"]
+__all__ = ["OptimizerWrapper", "creates_state", "step_or_skip"]
 
 
 class _FromInner:
@@ -111,6 +111,31 @@ class OptimizerWrapper(torch.optim.Optimizer):
         names = [] if inner is None else [n for n in inner.defaults if n != "params"]
         return sorted(set(super().__dir__()) | set(names))
 
+    # -- checkpoints: torch's optimizer state-dict hooks run around the subclass's own --
+
+    def _own_state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()
+
+    def _load_own_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._inner.load_state_dict(state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict, with torch's ``register_state_dict_pre_hook``/``post_hook``s run."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = self._own_state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load, with torch's ``register_load_state_dict_pre_hook``/``post_hook``s run."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        self._load_own_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
@@ -122,13 +147,26 @@ class OptimizerWrapper(torch.optim.Optimizer):
         return f"{type(self).__name__}({self._inner!r})"
 
 
-def step_or_skip(inner: torch.optim.Optimizer, found_inf: torch.Tensor, skip: bool = True) -> None:
+def creates_state(inner: torch.optim.Optimizer) -> bool:
+    """Whether a step would create optimizer state (a parameter with a gradient and none)."""
+    params = [p for g in inner.param_groups for p in g["params"]]
+    if len(inner.state) >= len(params):
+        return False
+    return any(p.grad is not None and not inner.state.get(p) for p in params)
+
+
+def step_or_skip(inner: torch.optim.Optimizer, found_inf: torch.Tensor, skip: bool = True) -> bool:
     """Step ``inner`` unless ``skip`` and ``found_inf`` (a 0/1 float tensor) is 1.
 
     Fused optimizers (``_step_supports_amp_scaling``) take the flag and skip on the
-    device: no host sync. Any other optimizer costs one ``found_inf.item()``.
+    device: no host sync. Any other optimizer costs one ``found_inf.item()``, and so
+    does a fused step that would create state (a first step): fused kernels that skip
+    still leave the state they allocate behind (SGD's momentum buffers uninitialised,
+    Adam's moments at zero), and a skipped step must leave the state as it was.
+    Returns ``True`` where the host saw the step skipped (the flag was read).
     """
-    if getattr(inner, "_step_supports_amp_scaling", False):
+    fused = getattr(inner, "_step_supports_amp_scaling", False)
+    if fused and not (skip and creates_state(inner)):
         inner.found_inf = found_inf
         inner.grad_scale = None
         try:
@@ -136,5 +174,11 @@ def step_or_skip(inner: torch.optim.Optimizer, found_inf: torch.Tensor, skip: bo
         finally:
             del inner.found_inf
             del inner.grad_scale
-    elif not skip or not found_inf.item():  # the one host sync of a non-fused step
+        return False
+    if not skip:
         inner.step()
+        return False
+    if found_inf.item():  # the one host sync of a non-fused step
+        return True
+    inner.step()
+    return False

@@ -1,0 +1,355 @@
+"""``GradScaler``: a drop-in for ``torch.amp.GradScaler`` over mixprec's loss scales.
+
+Same constructor, methods and state dict as torch's, so existing code switches with
+one import::
+
+    scaler = mixprec.optim.GradScaler("cuda")      # was torch.amp.GradScaler("cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = loss_fn(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)                            # optional: clip true gradients
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    scaler.step(opt)                                # skipped if any gradient is inf/NaN
+    scaler.update()
+
+With the default arguments its scale sequence and parameters are torch's, bit for
+bit. What it adds: ``min_scale``/``max_scale``/``hysteresis`` (or any
+:class:`~mixprec.DynamicLossScale`), a :class:`~mixprec.ScaleCollapseError` when
+the scale collapses (``collapse_after``), a ``RuntimeError`` for ``step()`` on
+gradients that no scaled loss produced, float16 gradients unscaled in place
+(torch refuses them), and a first step of a fused optimizer that cannot leave
+uninitialised state behind when it overflows.
+
+>>> w = torch.nn.Parameter(torch.ones(2))
+>>> opt = torch.optim.SGD([w], lr=0.5)
+>>> scaler = GradScaler("cpu", init_scale=8.0)
+>>> scaler.scale((w * 2).sum()).backward()
+>>> w.grad
+tensor([16., 16.])
+>>> scaler.step(opt); scaler.update()
+>>> w, scaler.get_scale()
+(Parameter containing:
+tensor([0., 0.], requires_grad=True), 8.0)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+import torch
+
+from mixprec._checks import check_bool, check_number
+from mixprec.loss_scale import DynamicLossScale
+from mixprec.numerics import unscale_and_check_
+from mixprec.optim.wrapper import creates_state
+
+__all__ = ["GradScaler"]
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_state() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf": None}
+
+
+class GradScaler:
+    """``torch.amp.GradScaler``'s interface over a :class:`~mixprec.DynamicLossScale`.
+
+    Args (torch's): ``device``, ``init_scale``, ``growth_factor``, ``backoff_factor``,
+    ``growth_interval``, ``enabled``. mixprec's, keyword-only: ``min_scale``,
+    ``max_scale``, ``hysteresis``, ``collapse_after`` (see
+    :class:`~mixprec.DynamicLossScale`; the defaults reproduce torch's rule), or a
+    ready ``loss_scale`` object instead of all of these.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        hysteresis: int = 1,
+        collapse_after: int | None = 100,
+        loss_scale: DynamicLossScale | None = None,
+    ) -> None:
+        check_bool("enabled", enabled)
+        if not isinstance(device, str | torch.device):
+            raise TypeError(f"device must be a string or torch.device, got {device!r}")
+        self._device = torch.device(device).type
+        if loss_scale is None:
+            loss_scale = DynamicLossScale(
+                initial_scale=init_scale, growth_interval=growth_interval,
+                growth_factor=growth_factor, backoff_factor=backoff_factor,
+                min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis,
+                collapse_after=collapse_after,
+            )  # fmt: skip
+        elif not isinstance(loss_scale, DynamicLossScale):
+            raise TypeError(
+                f"loss_scale must be a mixprec.DynamicLossScale, got {type(loss_scale).__name__}"
+            )
+        if enabled and self._device == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "GradScaler is enabled, but CUDA is not available. Disabling.", stacklevel=2
+            )
+            enabled = False
+        self._enabled = enabled
+        self.loss_scale = loss_scale
+        self._per_optimizer: dict[int, dict[str, Any]] = {}
+        self._placed = False
+        self._skipped_on_host = False
+        loss_scale.take_scaled(self)  # from now on, steps ask whether a loss was scaled
+
+    # -- scaling ----------------------------------------------------------------------
+
+    def _scale_on(self, device: torch.device) -> torch.Tensor:
+        if not self._placed:  # the state follows the first scaled output, as torch's does
+            self.loss_scale.to(device)
+            self._placed = True
+        scale = self.loss_scale.scale
+        return scale if scale.device == device else scale.to(device, non_blocking=True)
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` (a tensor, or nested lists/tuples/iterables of them) by the scale."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            self.loss_scale.mark_scaled()
+            return outputs * self._scale_on(outputs.device)
+        if isinstance(outputs, Iterable):
+            scaled = map(self.scale, outputs)
+            return type(outputs)(scaled) if isinstance(outputs, list | tuple) else scaled
+        raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+    def _state_of(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if hasattr(optimizer, "loss_scaler"):
+            raise TypeError(
+                "GradScaler got a LossScaleOptimizer, which scales its own loss; pass its "
+                "inner optimizer, or use the LossScaleOptimizer alone"
+            )
+        return self._per_optimizer.setdefault(id(optimizer), _fresh_state())
+
+    def _check_scaled(self) -> None:
+        if not self._placed or not self.loss_scale.take_scaled(self):
+            raise RuntimeError(
+                "GradScaler: no loss was scaled since the last update(); gradients from "
+                "loss.backward() would be divided by the scale. Call "
+                "scaler.scale(loss).backward()"
+            )
+        self.loss_scale.mark_scaled()  # other optimizers of this iteration share the loss
+
+    def _grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place (once per ``update()``)."""
+        if not self._enabled:
+            return
+        state = self._state_of(optimizer)
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        self._check_scaled()
+        inv_scale = self.loss_scale.inv_scale()
+        state["found_inf"] = unscale_and_check_(self._grads(optimizer), inv_scale)
+        state["stage"] = _Stage.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Step ``optimizer`` unless its gradients hold an inf/NaN (unscaling first if needed).
+
+        Returns what ``optimizer.step`` returned, or ``None`` when the step was skipped.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        state = self._state_of(optimizer)
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and state["stage"] is _Stage.READY:
+            # torch's fused path: check without unscaling; the kernel unscales by grad_scale.
+            self._check_scaled()
+            one = torch.ones((), dtype=torch.float32, device=self.loss_scale.device)
+            state["found_inf"] = unscale_and_check_(self._grads(optimizer), one)
+            grad_scale = self.loss_scale.scale
+        else:
+            if state["stage"] is _Stage.READY:
+                self.unscale_(optimizer)
+            grad_scale = None
+        state["stage"] = _Stage.STEPPED
+        return self._step_unless_inf(optimizer, state["found_inf"], grad_scale, args, kwargs)
+
+    def _step_unless_inf(
+        self,
+        optimizer: torch.optim.Optimizer,
+        found_inf: torch.Tensor,
+        grad_scale: torch.Tensor | None,
+        args: tuple,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The inner step: on the device for fused optimizers past their first step,
+        otherwise after reading ``found_inf`` (one host sync)."""
+        if getattr(optimizer, "_step_supports_amp_scaling", False) and not creates_state(
+            optimizer
+        ):
+            optimizer.grad_scale = grad_scale
+            optimizer.found_inf = found_inf
+            try:
+                return optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+        if found_inf.item():
+            self._skipped_on_host = True
+            return None
+        if grad_scale is None:
+            return optimizer.step(*args, **kwargs)
+        # A fused first step whose gradients are still scaled: let the kernel unscale.
+        optimizer.grad_scale = grad_scale
+        optimizer.found_inf = torch.zeros_like(found_inf)
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Advance the scale by this iteration's overflow flags, or set it to ``new_scale``."""
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                if new_scale.numel() != 1 or new_scale.requires_grad:
+                    raise ValueError(
+                        "new_scale must be a float or a one-element tensor with "
+                        f"requires_grad=False, got {new_scale!r}"
+                    )
+                value: Any = new_scale.detach().reshape(()).to(self.loss_scale.scale)
+            else:
+                check_number("new_scale", new_scale, minimum=0, exclusive=True)
+                value = float(new_scale)
+            self.loss_scale.scale.copy_(torch.as_tensor(value))
+        else:
+            flags = [
+                s["found_inf"] for s in self._per_optimizer.values() if s["found_inf"] is not None
+            ]
+            if not flags:
+                raise RuntimeError(
+                    "No inf checks were recorded prior to update(): call step() (or "
+                    "unscale_()) on an optimizer first"
+                )
+            device = self.loss_scale.device
+            found_inf = torch.stack([f.to(device, non_blocking=True) for f in flags]).amax()
+            self.loss_scale.update(found_inf)
+            if self._skipped_on_host:  # read on the host already: checking costs one read
+                self.loss_scale.raise_if_collapsed()
+        self._per_optimizer = {}
+        self._skipped_on_host = False
+        self.loss_scale.take_scaled(self)  # the next iteration needs a scaled loss again
+
+    # -- torch's accessors ------------------------------------------------------------
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync); 1.0 when disabled."""
+        return float(self.loss_scale.scale) if self._enabled else 1.0
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self.loss_scale.scale if self._enabled else None
+
+    def get_growth_factor(self) -> float:
+        return self.loss_scale.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        check_number("new_factor", new_factor, minimum=1, exclusive=True)
+        self.loss_scale.growth_factor = float(new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self.loss_scale.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        check_number("new_factor", new_factor, minimum=0, maximum=1, exclusive=True)
+        self.loss_scale.backoff_factor = float(new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self.loss_scale.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        check_number("new_interval", new_interval, integer=True, minimum=1)
+        self.loss_scale.growth_interval = int(new_interval)
+
+    def get_init_scale(self) -> float:
+        return self.loss_scale.initial_scale
+
+    def set_init_scale(self, new_scale: float) -> None:
+        check_number("new_scale", new_scale, minimum=0, exclusive=True)
+        self.loss_scale.initial_scale = float(new_scale)
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``) plus ``"mixprec"``: the loss scale's
+        full configuration and state. Empty when disabled, as torch's."""
+        if not self._enabled:
+            return {}
+        ls = self.loss_scale
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": ls.growth_factor,
+            "backoff_factor": ls.backoff_factor,
+            "growth_interval": ls.growth_interval,
+            "_growth_tracker": int(ls.counter),
+            "mixprec": {"config": ls.get_config(), "state": ls.state_dict()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output, or a ``torch.amp.GradScaler``'s."""
+        if not self._enabled:
+            raise RuntimeError(
+                "Attempted to call load_state_dict on a disabled GradScaler; enable it first"
+            )
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        ls = self.loss_scale
+        own = state_dict.get("mixprec")
+        if own is not None:
+            configured = DynamicLossScale.from_config(own["config"])  # validates first
+            for f in DynamicLossScale._config_fields():
+                setattr(ls, f.name, getattr(configured, f.name))
+            ls.load_state_dict(own["state"])
+            return
+        DynamicLossScale(
+            initial_scale=state_dict["scale"], growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"], min_scale=None, max_scale=None,
+        )  # fmt: skip  # validates torch's numbers before anything changes
+        ls.scale.fill_(state_dict["scale"])
+        ls.growth_factor = float(state_dict["growth_factor"])
+        ls.backoff_factor = float(state_dict["backoff_factor"])
+        ls.growth_interval = int(state_dict["growth_interval"])
+        if "_growth_tracker" in state_dict:
+            ls.counter.fill_(int(state_dict["_growth_tracker"]))
