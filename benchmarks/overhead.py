@@ -58,7 +58,7 @@ from benchmarks._common import (
     workload_parser,
 )
 from mixprec.loss_scale import DynamicLossScale
-from mixprec.optim import LossScaleOptimizer
+from mixprec.optim import GradScaler, LossScaleOptimizer
 from mixprec.train.models import MLP
 
 __all__ = [
@@ -143,7 +143,9 @@ def optimizer_factories(device: str) -> dict[str, Callable[[Any], torch.optim.Op
 
 
 class ScalingTrainer:
-    """One model copy with one loss-scaling variant: ``gradscaler``, ``mixprec`` or ``bare``."""
+    """One model copy with one loss-scaling variant: ``gradscaler`` (torch's),
+    ``mixprec`` (``LossScaleOptimizer``), ``mixprec_scaler`` (``mixprec.GradScaler``) or
+    ``bare``."""
 
     def __init__(
         self,
@@ -160,8 +162,9 @@ class ScalingTrainer:
         self.params = [p for p in model.parameters()]
         inner = factory(self.params)
         self.scaler = None
-        if variant == "gradscaler":
-            self.scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=INIT_SCALE)
+        if variant in ("gradscaler", "mixprec_scaler"):
+            scaler_class = torch.amp.GradScaler if variant == "gradscaler" else GradScaler
+            self.scaler = scaler_class(torch.device(device).type, init_scale=INIT_SCALE)
             self.opt: torch.optim.Optimizer = inner
         elif variant == "mixprec":
             self.opt = LossScaleOptimizer(inner, DynamicLossScale(initial_scale=INIT_SCALE))
@@ -178,8 +181,7 @@ class ScalingTrainer:
 
     def backward(self) -> None:
         loss = self.loss()
-        if self.variant == "gradscaler":
-            assert self.scaler is not None
+        if self.scaler is not None:
             self.scaler.scale(loss).backward()
         elif self.variant == "mixprec":
             self.opt.scale_loss(loss).backward()  # type: ignore[attr-defined]
@@ -214,6 +216,11 @@ class ScalingTrainer:
     def refill_grads(self) -> None:
         with torch.no_grad():
             torch._foreach_copy_([p.grad for p in self.params], self.saved_grads)
+        # These gradients stand for a scaled loss's: say so, as scale() would.
+        if self.variant == "mixprec":
+            self.opt.loss_scaler.mark_scaled()  # type: ignore[attr-defined]
+        elif self.variant == "mixprec_scaler":
+            self.scaler.loss_scale.mark_scaled()  # type: ignore[union-attr]
 
 
 def _scaled_grads(model: nn.Module, batch: tuple, device: str) -> list[torch.Tensor]:
@@ -314,7 +321,7 @@ def run_model(
         batch = tuple(t.to(device) for t in batch_factory())
         trainers = {
             v: ScalingTrainer(v, copy.deepcopy(base), factory, batch, device)
-            for v in ("gradscaler", "mixprec", "bare")
+            for v in ("gradscaler", "mixprec", "mixprec_scaler", "bare")
         }
         row: dict[str, Any] = {
             "model": model_name,
@@ -379,7 +386,7 @@ def run_wrapper_only(preset: Preset, device: str, profile: bool) -> list[dict[st
 
             trainers = {
                 v: ScalingTrainer(v, copy.deepcopy(base), factory, batch, device)
-                for v in ("gradscaler", "mixprec")
+                for v in ("gradscaler", "mixprec", "mixprec_scaler")
             }
             grads = _scaled_grads(base, batch, device)
             for t in trainers.values():
@@ -405,6 +412,8 @@ def run_wrapper_only(preset: Preset, device: str, profile: bool) -> list[dict[st
 def _phase_summary(times: dict[str, list[float]]) -> dict[str, Any]:
     out: dict[str, Any] = {name: summarize(ts) for name, ts in times.items()}
     out["ratio"] = paired_ratio(times["mixprec"], times["gradscaler"])
+    if "mixprec_scaler" in times:  # mixprec.GradScaler, the drop-in, against torch's
+        out["scaler_ratio"] = paired_ratio(times["mixprec_scaler"], times["gradscaler"])
     # Quartiles of the per-round ratios: how far noise moves one round.
     out["ratio_q1"], out["ratio_q3"] = paired_quartiles(times["mixprec"], times["gradscaler"])
     out["ratio_of_medians"] = out["mixprec"]["median_s"] / out["gradscaler"]["median_s"]
@@ -412,7 +421,7 @@ def _phase_summary(times: dict[str, list[float]]) -> dict[str, Any]:
         m - g for m, g in zip(times["mixprec"], times["gradscaler"], strict=True)
     )
     if "bare" in times:
-        for name in ("mixprec", "gradscaler"):
+        for name in ("mixprec", "mixprec_scaler", "gradscaler"):
             # Paired per-round difference above the bare inner optimizer.
             out[f"{name}_overhead_us"] = 1e6 * statistics.median(
                 a - b for a, b in zip(times[name], times["bare"], strict=True)
