@@ -47,8 +47,8 @@ class DynamicLossScale(LossScale):
         min_scale: the scale never goes below this (``None``: no floor).
         max_scale: the scale never goes above this (``None``: no ceiling).
         hysteresis: consecutive overflowing steps needed before the scale backs off.
-        collapse_after: consecutive overflowing steps at ``min_scale`` (with no floor:
-            consecutive overflowing steps) after which the scale counts as collapsed:
+        collapse_after: consecutive overflowing steps after which a scale at
+            ``min_scale`` (or with no floor, any scale) counts as collapsed:
             :meth:`collapsed` turns true and the optimizers raise
             :class:`ScaleCollapseError`. ``None`` never declares a collapse.
 
