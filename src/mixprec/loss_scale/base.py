@@ -54,6 +54,8 @@ class LossScale:
 
     #: Short name used by :func:`loss_scale_from_spec` and in configs.
     kind: ClassVar[str] = "base"
+    #: State fields newer than the first release (zero when an old checkpoint lacks them).
+    _added_state: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         self._validate()
@@ -104,6 +106,8 @@ class LossScale:
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Restore state saved by :meth:`state_dict`; checks everything before changing anything."""
         expected = {f.name for f in self._state_fields()}
+        # State added after 0.1.0 may be missing from older checkpoints: it starts at 0.
+        state_dict = {**{k: torch.zeros(()) for k in self._added_state}, **state_dict}
         if set(state_dict) != expected:
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict expects keys {sorted(expected)}, "
@@ -181,6 +185,19 @@ class LossScale:
         flag = self.collapsed()
         if flag is not None and bool(flag):
             raise ScaleCollapseError(self.collapse_message())
+
+    def observe_step(self, skipped_on_host: bool) -> None:
+        """Called by optimizers that read this step's overflow flag on the host anyway.
+
+        Counts skipped steps in a row on the host and reads the collapse flag (one more
+        sync) only once there have been ``collapse_after`` of them, so a healthy run
+        pays nothing for the check.
+        """
+        streak = self.__dict__.get("_host_skips", 0) + 1 if skipped_on_host else 0
+        self.__dict__["_host_skips"] = streak
+        patience = getattr(self, "collapse_after", None)
+        if patience is not None and streak >= patience:
+            self.raise_if_collapsed()
 
     def collapse_message(self) -> str:
         return f"{type(self).__name__} collapsed"

@@ -47,8 +47,8 @@ class DynamicLossScale(LossScale):
         min_scale: the scale never goes below this (``None``: no floor).
         max_scale: the scale never goes above this (``None``: no ceiling).
         hysteresis: consecutive overflowing steps needed before the scale backs off.
-        collapse_after: consecutive overflowing steps after which a scale at
-            ``min_scale`` (or with no floor, any scale) counts as collapsed:
+        collapse_after: overflowing steps in a row at ``min_scale`` (with no floor:
+            overflowing steps in a row) after which the scale counts as collapsed:
             :meth:`collapsed` turns true and the optimizers raise
             :class:`ScaleCollapseError`. ``None`` never declares a collapse.
 
@@ -69,7 +69,9 @@ class DynamicLossScale(LossScale):
 
     counter: torch.Tensor = _state_field(torch.int32)
     inf_streak: torch.Tensor = _state_field(torch.int32)
+    floor_streak: torch.Tensor = _state_field(torch.int32)
     kind: ClassVar[str] = "dynamic"
+    _added_state: ClassVar[tuple[str, ...]] = ("floor_streak",)
 
     def _validate(self) -> None:
         _positive("initial_scale", self.initial_scale)
@@ -149,6 +151,9 @@ backoff_factor=0.25, min_scale=1.0, max_scale=None, hysteresis=1, collapse_after
         found = found_inf > 0
         # inf_streak = inf_streak + 1 on overflow, else 0.
         self.inf_streak.add_(1).mul_(found)
+        # Overflowing steps in a row that found the scale at its floor (any scale without one).
+        stuck = found if self.min_scale is None else found & (self.scale <= self.min_scale)
+        self.floor_streak.add_(1).mul_(stuck)
         if self._kernel_rule():
             torch._amp_update_scale_(
                 self.scale, self.counter, found.float(), self.growth_factor,
@@ -173,11 +178,11 @@ backoff_factor=0.25, min_scale=1.0, max_scale=None, hysteresis=1, collapse_after
         self.scale.copy_(scale)
 
     def collapsed(self) -> torch.Tensor | None:
-        """True once ``collapse_after`` overflowing steps in a row ended at the floor."""
+        """True once ``collapse_after`` overflowing steps in a row found the scale at its
+        floor (without a floor: once ``collapse_after`` steps in a row overflowed)."""
         if self.collapse_after is None:
             return None
-        streak = self.inf_streak >= self.collapse_after
-        return streak if self.min_scale is None else streak & (self.scale <= self.min_scale)
+        return self.floor_streak >= self.collapse_after
 
     def collapse_message(self) -> str:
         where = "at its floor" if self.min_scale is not None else "while backing off"

@@ -1,7 +1,9 @@
 """``GradScaler``: a drop-in for ``torch.amp.GradScaler`` over mixprec's loss scales.
 
 Same constructor, methods and state dict as torch's, so existing code switches with
-one import::
+one import (a fused optimizer skips overflowing steps on the device, so there a
+:class:`~mixprec.ScaleCollapseError` needs ``scaler.loss_scale.raise_if_collapsed()``
+where the loop syncs anyway)::
 
     scaler = mixprec.optim.GradScaler("cuda")      # was torch.amp.GradScaler("cuda")
     with torch.autocast("cuda", dtype=torch.float16):
@@ -259,11 +261,11 @@ class GradScaler:
             device = self.loss_scale.device
             found_inf = torch.stack([f.to(device, non_blocking=True) for f in flags]).amax()
             self.loss_scale.update(found_inf)
-            if self._skipped_on_host:  # read on the host already: checking costs one read
-                self.loss_scale.raise_if_collapsed()
-        self._per_optimizer = {}
-        self._skipped_on_host = False
+        skipped, self._skipped_on_host = self._skipped_on_host, False
+        self._per_optimizer = {}  # reset first: a collapse error leaves a usable scaler
         self.loss_scale.take_scaled(self)  # the next iteration needs a scaled loss again
+        if new_scale is None:
+            self.loss_scale.observe_step(skipped)  # may raise ScaleCollapseError
 
     # -- torch's accessors ------------------------------------------------------------
 
@@ -274,33 +276,38 @@ class GradScaler:
     def _get_scale_async(self) -> torch.Tensor | None:
         return self.loss_scale.scale if self._enabled else None
 
+    def _set(self, name: str, arg: str, value: Any) -> None:
+        # Validated as a whole configuration, so a setter never stores what the
+        # constructor (or a later load_state_dict) would refuse.
+        try:
+            checked = DynamicLossScale.from_config({**self.loss_scale.get_config(), name: value})
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{arg}={value!r} is refused: {err}") from None
+        setattr(self.loss_scale, name, getattr(checked, name))
+
     def get_growth_factor(self) -> float:
         return self.loss_scale.growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        check_number("new_factor", new_factor, minimum=1, exclusive=True)
-        self.loss_scale.growth_factor = float(new_factor)
+        self._set("growth_factor", "new_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
         return self.loss_scale.backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        check_number("new_factor", new_factor, minimum=0, maximum=1, exclusive=True)
-        self.loss_scale.backoff_factor = float(new_factor)
+        self._set("backoff_factor", "new_factor", new_factor)
 
     def get_growth_interval(self) -> int:
         return self.loss_scale.growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        check_number("new_interval", new_interval, integer=True, minimum=1)
-        self.loss_scale.growth_interval = int(new_interval)
+        self._set("growth_interval", "new_interval", new_interval)
 
     def get_init_scale(self) -> float:
         return self.loss_scale.initial_scale
 
     def set_init_scale(self, new_scale: float) -> None:
-        check_number("new_scale", new_scale, minimum=0, exclusive=True)
-        self.loss_scale.initial_scale = float(new_scale)
+        self._set("initial_scale", "new_scale", new_scale)
 
     def is_enabled(self) -> bool:
         return self._enabled
@@ -324,11 +331,12 @@ class GradScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output, or a ``torch.amp.GradScaler``'s."""
+        """Restore :meth:`state_dict`'s output, or a ``torch.amp.GradScaler``'s.
+
+        A disabled scaler ignores it, as torch's does (``GradScaler(enabled=use_amp)``
+        resumes whatever ``use_amp`` is)."""
         if not self._enabled:
-            raise RuntimeError(
-                "Attempted to call load_state_dict on a disabled GradScaler; enable it first"
-            )
+            return
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved "

@@ -243,8 +243,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             return
         skipped = self._apply(params, found_inf)
         self.loss_scaler.update(found_inf=found_inf)
-        if skipped:  # known on the host already; one more read only on skipped steps
-            self.loss_scaler.raise_if_collapsed()
+        self.loss_scaler.observe_step(skipped)  # may raise ScaleCollapseError
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale (unless :meth:`unscale_` did), check, clip, apply or skip, update the scale.
