@@ -1,0 +1,88 @@
+"""What the trainer integrations share: the optional import, the level, the loss scale.
+
+>>> check_level("o2", "bf16", "cpu")
+('O2', torch.bfloat16)
+>>> level_loss_scale(None, "O2", torch.bfloat16).kind, level_loss_scale(None, "O3", torch.bfloat16).kind
+('dynamic', 'none')
+>>> require("no_such_library_here", "lightning", "mixprec.integrations.lightning")
+Traceback (most recent call last):
+...
+ImportError: mixprec.integrations.lightning needs the 'no_such_library_here' package, which is not installed: pip install "mixprec[lightning]"
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from mixprec._checks import check_choice
+from mixprec.amp import LEVELS
+from mixprec.amp.levels import _default_loss_scale, choose_auto
+from mixprec.dtypes import as_low_precision
+from mixprec.loss_scale import LossScale, loss_scale_from_spec
+
+__all__ = ["require", "check_level", "level_loss_scale", "loss_scale_entry", "restore_loss_scale"]
+
+
+def require(module: str, extra: str, user: str) -> ModuleType:
+    """Import ``module``; if it is missing, ``ImportError`` naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(
+            f"{user} needs the {module!r} package, which is not installed: "
+            f'pip install "mixprec[{extra}]"'
+        ) from err
+
+
+def check_level(level: Any, dtype: Any, device: torch.device | str) -> tuple[str, torch.dtype]:
+    """The checked ``(level, dtype)``; ``auto`` decides by ``device`` (``amp.choose_auto``)."""
+    if not isinstance(level, str):
+        raise TypeError(
+            f"level must be a str, one of {LEVELS}, got {type(level).__name__} {level!r}"
+        )
+    normal = "auto" if level.strip().lower() == "auto" else level.strip().upper()
+    check_choice("level", normal, LEVELS)
+    dtype = as_low_precision(dtype, "dtype", hint="the low precision of the level; O0 is float32")
+    if normal == "auto":
+        normal, dtype, _ = choose_auto(device)
+    return normal, dtype
+
+
+def level_loss_scale(spec: Any, level: str, dtype: torch.dtype) -> LossScale:
+    """The loss scale ``spec`` names, or the level's own (``amp.initialize``'s rule) for ``None``."""
+    return _default_loss_scale(level, dtype) if spec is None else loss_scale_from_spec(spec)
+
+
+def loss_scale_entry(loss_scale: LossScale) -> dict[str, Any]:
+    """A loss scale's kind, configuration and state: plain values, ``weights_only``-loadable."""
+    return {
+        "kind": loss_scale.kind,
+        "config": loss_scale.get_config(),
+        "state": loss_scale.state_dict(),
+    }
+
+
+def restore_loss_scale(loss_scale: LossScale, entry: Any) -> None:
+    """Apply :func:`loss_scale_entry`'s output to ``loss_scale`` in place (it may be shared).
+
+    Everything is checked before anything changes: another kind of loss scale, a bad
+    configuration or state is a ``ValueError`` and leaves ``loss_scale`` as it was.
+    """
+    if not isinstance(entry, dict) or set(entry) != {"kind", "config", "state"}:
+        raise ValueError(
+            f"a saved loss scale has the keys ['config', 'kind', 'state'], got {entry!r:.200}"
+        )
+    if entry["kind"] != loss_scale.kind:
+        raise ValueError(
+            f"the checkpoint's loss scale is {entry['kind']!r}, this one is {loss_scale.kind!r}; "
+            "resume with the same kind of loss scale"
+        )
+    configured = type(loss_scale).from_config(entry["config"])  # validates the configuration
+    configured.load_state_dict(entry["state"])  # validates the state
+    for name in loss_scale.get_config():
+        setattr(loss_scale, name, getattr(configured, name))
+    loss_scale.load_state_dict(entry["state"])

@@ -1,0 +1,244 @@
+"""``MixprecPrecision``: a Lightning ``Precision`` plugin that trains at a mixprec amp level.
+
+::
+
+    trainer = lightning.Trainer(
+        plugins=[MixprecPrecision(level="O2", dtype=torch.bfloat16)], gradient_clip_val=1.0
+    )
+
+What it does, at the points where Lightning calls a precision plugin::
+
+    convert_module(module)    amp.initialize(module, None, level, dtype)   # before DDP wraps it
+    connect(optimizers)       each -> LossScaleOptimizer(opt, one shared loss scale,
+                                                         master_weights=(level == "O2"))
+    pre_backward(loss)        loss * scale
+    optimizer_step(opt)       closure (forward + backward)
+                              -> opt.unscale_()                            # true gradients
+                              -> on_before_optimizer_step hooks, gradient clipping
+                              -> opt.step()          # skipped if a gradient is inf/NaN
+                              -> log mixprec/loss_scale, mixprec/skipped_steps
+    state_dict()              level and dtype; the loss scale, counters and float32
+                              masters are in each optimizer's state in the same checkpoint
+
+The level casts the LightningModule's floating outputs to float32 when they leave its
+``forward``, as :func:`mixprec.amp.initialize` does for any model: call the network as
+``self(x)`` in ``training_step`` and the loss is computed in float32 (a submodule
+called directly returns its low-precision output).
+Manual optimization works the same way: ``self.manual_backward(loss)`` scales,
+``self.clip_gradients(opt, ...)`` unscales first, ``opt.step()`` skips on overflow.
+``accumulate_grad_batches`` scales every micro-batch by the same scale (it only
+changes at a step). Host syncs: those of :class:`~mixprec.LossScaleOptimizer`; the
+logged values are tensors, read when Lightning writes its logs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec import amp
+from mixprec._checks import check_bool
+from mixprec.integrations._common import check_level, level_loss_scale, require
+from mixprec.optim import LossScaleOptimizer
+
+require("lightning", "lightning", __name__)
+
+from lightning.pytorch import LightningModule  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.plugins.precision import Precision  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+
+__all__ = ["MixprecPrecision"]
+
+
+def _lightning_name(level: str, dtype: torch.dtype) -> str:
+    """Lightning's name for the precision a level gives (``trainer.precision``)."""
+    if level == "O0":
+        return "32-true"
+    low = "bf16" if dtype == torch.bfloat16 else "16"
+    return f"{low}-true" if level == "O3" else f"{low}-mixed"
+
+
+class MixprecPrecision(Precision):
+    """Train a LightningModule at a mixprec amp level, with mixprec's loss scaling.
+
+    Args:
+        level: ``"O0"``-``"O3"`` or ``"auto"`` (decided by ``device``), as in
+            :func:`mixprec.amp.initialize`.
+        dtype: ``torch.bfloat16`` or ``torch.float16``.
+        loss_scale: ``None`` (the level's own: dynamic at O2 and for float16 O1),
+            ``"dynamic"``, a number, ``"none"`` or any :class:`~mixprec.LossScale`
+            (e.g. ``DynamicLossScale(min_scale=..., hysteresis=2)``). Every optimizer
+            shares it, as they share Lightning's one ``GradScaler``.
+        device: where ``auto`` looks for fast low precision (default: CUDA if available).
+        log_metrics: log ``mixprec/loss_scale`` and ``mixprec/skipped_steps`` at every
+            optimizer step through ``LightningModule.log`` (Lightning's loggers write
+            them every ``log_every_n_steps``).
+
+    Return the plain optimizer from ``configure_optimizers``; the plugin wraps it (a
+    ``LossScaleOptimizer`` there is a ``TypeError``).
+
+    >>> plugin = MixprecPrecision(level="O2", dtype=torch.bfloat16)
+    >>> plugin.precision, plugin.loss_scale.kind
+    ('bf16-mixed', 'dynamic')
+    >>> MixprecPrecision(level="O5")
+    Traceback (most recent call last):
+    ...
+    ValueError: level must be one of 'O0', 'O1', 'O2', 'O3', 'auto', got 'O5'
+    """
+
+    def __init__(
+        self,
+        level: str = "O2",
+        dtype: torch.dtype = torch.bfloat16,
+        loss_scale: Any = None,
+        *,
+        device: torch.device | str | None = None,
+        log_metrics: bool = True,
+    ) -> None:
+        check_bool("log_metrics", log_metrics)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a str or torch.device, got {device!r}")
+        self.level, self.dtype = check_level(level, dtype, device)
+        self.loss_scale = level_loss_scale(loss_scale, self.level, self.dtype)
+        self.log_metrics = log_metrics
+        self.precision = _lightning_name(self.level, self.dtype)  # type: ignore[assignment]
+        self._converted: weakref.WeakSet = weakref.WeakSet()
+        self._optimizers: list[LossScaleOptimizer] = []
+        self._unscaled: set[int] = set()  # optimizers unscaled since their last step
+
+    def __repr__(self) -> str:
+        return (
+            f"MixprecPrecision(level={self.level!r}, dtype={self.dtype}, "
+            f"loss_scale={self.loss_scale!r})"
+        )
+
+    # -- the module and the optimizers --------------------------------------------------
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Apply the level to ``module`` in place (once; later runs of the Trainer reuse it)."""
+        if module not in self._converted:
+            amp.initialize(module, None, self.level, self.dtype)
+            self._converted.add(module)
+        return module
+
+    def connect(
+        self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
+    ) -> tuple[torch.nn.Module, list[Any], list[Any]]:
+        """Wrap each optimizer in a :class:`~mixprec.LossScaleOptimizer` sharing the loss scale.
+
+        LR schedulers keep working: the wrapper's ``param_groups`` are the inner optimizer's.
+        """
+        for i, opt in enumerate(optimizers):
+            if isinstance(opt, LossScaleOptimizer):
+                raise TypeError(
+                    f"configure_optimizers returned a LossScaleOptimizer (optimizer {i}); "
+                    "return the plain optimizer: MixprecPrecision wraps it for level "
+                    f"{self.level} (float32 masters at O2) with its loss scale"
+                )
+            if isinstance(opt, torch.optim.LBFGS):
+                raise TypeError(
+                    "MixprecPrecision cannot step LBFGS: its closure re-evaluates the loss "
+                    "during the step, after the plugin has unscaled the gradients"
+                )
+        wrapped = [
+            LossScaleOptimizer(opt, self.loss_scale, master_weights=self.level == "O2")
+            if any(g["params"] for g in opt.param_groups)
+            else opt  # configure_optimizers returned None: Lightning's placeholder
+            for opt in optimizers
+        ]
+        self._optimizers = [o for o in wrapped if isinstance(o, LossScaleOptimizer)]
+        self._unscaled.clear()
+        return model, wrapped, lr_schedulers
+
+    def _own(self, optimizer: Any) -> LossScaleOptimizer | None:
+        """The plugin's wrapper behind ``optimizer`` (a LightningOptimizer or the wrapper)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return next((o for o in self._optimizers if o is optimizer), None)
+
+    def _unscale_once(self, opt: LossScaleOptimizer) -> None:
+        if id(opt) not in self._unscaled:
+            opt.unscale_()
+            self._unscaled.add(id(opt))
+
+    # -- one training step ---------------------------------------------------------------
+
+    def pre_backward(self, tensor: torch.Tensor, module: LightningModule) -> torch.Tensor:  # type: ignore[override]
+        """Scale the loss. Every wrapper records the scale (they share it), so whichever
+        optimizer steps first and backs the scale off, the others still unscale right."""
+        scaled = tensor
+        for opt in self._optimizers:
+            scaled = opt.scale_loss(tensor)
+        return super().pre_backward(scaled, module)
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """Divide ``optimizer``'s gradients by the loss scale now (once per step)."""
+        opt = self._own(optimizer)
+        if opt is not None:
+            self._unscale_once(opt)
+
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Unscale (once), then clip the true gradients (the float32 masters' at O2)."""
+        opt = self._own(optimizer)
+        if opt is not None and clip_val > 0:
+            self._unscale_once(opt)
+        super().clip_gradients(opt or optimizer, clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        opt = self._own(optimizer)
+        if opt is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        # training_step returned None: Lightning skipped the backward, there is nothing to step.
+        no_backward = closure_result is None and model.automatic_optimization
+        if not no_backward:
+            self._unscale_once(opt)  # before the hooks and clipping, which want true gradients
+        self._after_closure(model, optimizer)
+        if no_backward:
+            return closure_result
+        try:
+            output = opt.step(**kwargs)
+        finally:
+            self._unscaled.discard(id(opt))
+        if self.log_metrics:
+            self._log(model, opt)
+        return output
+
+    def _log(self, model: LightningModule, opt: LossScaleOptimizer) -> None:
+        suffix = "" if len(self._optimizers) == 1 else f"_{self._optimizers.index(opt)}"
+        options = {"on_step": True, "on_epoch": False, "batch_size": 1}
+        # Copies: the scale tensor is updated in place at the next step.
+        model.log("mixprec/loss_scale", opt.loss_scale.detach().clone(), **options)
+        model.log(f"mixprec/skipped_steps{suffix}", opt.skipped_steps.float(), **options)
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The level and dtype, checked on resume (the loss scale is in the optimizer states)."""
+        return {"level": self.level, "dtype": str(self.dtype)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = (state_dict.get("level"), state_dict.get("dtype"))
+        if saved != (self.level, str(self.dtype)):
+            raise ValueError(
+                f"the checkpoint was trained with MixprecPrecision at level {saved[0]} in "
+                f"{saved[1]}; this plugin is level {self.level} in {self.dtype}. Resume with "
+                "the same level and dtype (the optimizer state holds float32 masters only at O2)"
+            )

@@ -1,0 +1,167 @@
+"""mixprec.integrations.accelerate in a real Accelerate loop, against mixprec's own loop.
+
+Same seed, data, level (O2 bfloat16, float32 masters), loss scale and LR schedule;
+one step per epoch overflows (an inf in the data) and is skipped on both sides, the
+schedule does not advance on it, and ``accelerator.clip_grad_norm_`` clips. The
+weights agree bit for bit, and ``save_state``/``load_state`` continue exactly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("accelerate", reason="needs the [hf] extra: pip install 'mixprec[hf]'")
+
+from accelerate import Accelerator  # noqa: E402
+
+from mixprec import DynamicLossScale, GradScaler, LossScaleOptimizer, amp  # noqa: E402
+from mixprec.integrations.accelerate import LossScaleOptimizerScaler, initialize  # noqa: E402
+
+BATCH, CLIP, LR, EPOCHS, STEPS = 4, 0.05, 0.1, 2, 12
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def make_loss_scale() -> DynamicLossScale:
+    return DynamicLossScale(initial_scale=256.0, growth_interval=2)
+
+
+def make_loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 8, generator=g), torch.randn(24, 4, generator=g)
+    x[9, 3] = float("inf")  # batch 2 of every epoch overflows
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+
+
+def schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / STEPS)
+
+
+def reference():
+    """mixprec's own loop; the schedule advances on applied steps only."""
+    net = make_net()
+    sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    net, opt = amp.initialize(net, sgd, "O2", torch.bfloat16, loss_scale=make_loss_scale())
+    sched = schedule(opt)
+    for _ in range(EPOCHS):
+        for x, y in make_loader():
+            opt.scale_loss(F.mse_loss(net(x), y)).backward()
+            opt.unscale_()
+            torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], CLIP)
+            opt.step()
+            if not opt.last_step_skipped:
+                sched.step()
+            opt.zero_grad()
+    return net, opt, sched
+
+
+def prepared():
+    accelerator = Accelerator(cpu=True)
+    net = make_net()
+    sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    sched = schedule(sgd)
+    net, opt = initialize(
+        accelerator, net, sgd, level="O2", dtype=torch.bfloat16, loss_scale=make_loss_scale()
+    )
+    return accelerator, *accelerator.prepare(net, opt, make_loader(), sched)
+
+
+def train_epoch(accelerator, net, opt, loader, sched):
+    skipped = []
+    for x, y in loader:
+        accelerator.backward(F.mse_loss(net(x), y))
+        accelerator.clip_grad_norm_(net.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+    return skipped
+
+
+def assert_same(net, opt, ref_net, ref_opt):
+    for mine, theirs in zip(net.parameters(), ref_net.parameters(), strict=True):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+    inner = opt.optimizer
+    assert isinstance(inner, LossScaleOptimizer)
+    assert float(inner.loss_scale) == float(ref_opt.loss_scale)
+    assert int(inner.skipped_steps) == int(ref_opt.skipped_steps) == EPOCHS
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+
+
+def test_an_accelerate_loop_matches_mixprecs_loop_and_resumes_exactly(tmp_path):
+    ref_net, ref_opt, ref_sched = reference()
+    accelerator, net, opt, loader, sched = prepared()
+    assert isinstance(accelerator.scaler, LossScaleOptimizerScaler)
+    overflow_at_2 = [i == 2 for i in range(STEPS // EPOCHS)]
+    assert train_epoch(accelerator, net, opt, loader, sched) == overflow_at_2
+    accelerator.save_state(tmp_path / "state")
+    train_epoch(accelerator, net, opt, loader, sched)
+    assert_same(net, opt, ref_net, ref_opt)
+    assert ref_sched.last_epoch == sched.scheduler.last_epoch == STEPS - EPOCHS
+
+    accelerator2, net2, opt2, loader2, sched2 = prepared()
+    accelerator2.load_state(tmp_path / "state")
+    assert net2[0].weight.dtype == torch.bfloat16
+    train_epoch(accelerator2, net2, opt2, loader2, sched2)
+    assert_same(net2, opt2, ref_net, ref_opt)
+    assert accelerator2.scaler.state_dict()["scale"] == float(ref_opt.loss_scale)
+
+
+def test_gradients_from_an_unscaled_backward_are_refused():
+    accelerator, net, opt, loader, _ = prepared()
+    x, y = next(iter(loader))
+    F.mse_loss(net(x), y).backward()  # not accelerator.backward: the loss was never scaled
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match="no loss was scaled"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+
+
+def test_initialize_checks_the_accelerator_and_its_order():
+    net = make_net()
+    with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator"):
+        initialize(object(), net, torch.optim.SGD(net.parameters(), lr=0.1))
+    accelerator, net, opt, _, _ = prepared()
+    with pytest.raises(ValueError, match="comes before accelerator.prepare"):
+        initialize(accelerator, make_net(), opt)
+    plain = Accelerator(cpu=True)
+    plain_opt = plain.prepare(torch.optim.SGD(make_net().parameters(), lr=0.1))
+    late = make_net()
+    with pytest.raises(ValueError, match="prepared an optimizer that initialize"):
+        initialize(plain, late, torch.optim.SGD(late.parameters(), lr=0.1))
+    assert plain.scaler is None and plain_opt.scaler is None
+    other = make_net()
+    with pytest.raises(ValueError, match="share the loss scale"):
+        initialize(accelerator, other, torch.optim.SGD(other.parameters(), lr=0.1), loss_scale=8.0)
+    assert amp.get_policy(other) is None  # refused before the model changed
+
+
+def test_a_scaler_checkpoint_of_another_kind_changes_nothing():
+    scaler = LossScaleOptimizerScaler(make_loss_scale())
+    before = scaler.state_dict()
+    torch_like = GradScaler("cpu").state_dict()
+    del torch_like["mixprec"]
+    with pytest.raises(ValueError, match="no 'mixprec' key"):
+        scaler.load_state_dict(torch_like)
+    static = LossScaleOptimizerScaler(amp.levels.loss_scale_from_spec(8.0)).state_dict()
+    with pytest.raises(ValueError, match="resume with the same kind of loss scale"):
+        scaler.load_state_dict(static)
+    assert scaler.state_dict()["mixprec"]["config"] == before["mixprec"]["config"]
+    assert float(scaler.loss_scale.scale) == before["scale"]
+
+
+def test_a_missing_accelerate_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "mixprec.integrations.accelerate")
+    with pytest.raises(ImportError, match=r'pip install "mixprec\[hf\]"'):
+        importlib.import_module("mixprec.integrations.accelerate")

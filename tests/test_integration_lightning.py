@@ -1,0 +1,237 @@
+"""MixprecPrecision in a real Lightning Trainer, against mixprec's own training loop.
+
+Same seed, data, level (O2 bfloat16, float32 masters) and loss scale on both sides;
+the data holds an inf, so one step per epoch overflows and is skipped on both, and
+gradient clipping is on. Lightning runs the same operations in the same order, so
+the weights agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip(
+    "lightning", reason="needs the [lightning] extra: pip install 'mixprec[lightning]'"
+)
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.loggers import Logger  # noqa: E402
+
+from mixprec import DynamicLossScale, LossScaleOptimizer, amp  # noqa: E402
+from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
+
+BATCH, CLIP, LR, EPOCHS = 4, 0.05, 0.1, 2
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    # Lightning's own notices: its pytree helper on this torch, and that a resumed run
+    # does not get the checkpoint callback back (this one saves no more).
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated"),
+    pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),
+]
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def make_loss_scale() -> DynamicLossScale:
+    return DynamicLossScale(initial_scale=256.0, growth_interval=2)  # grows within the run
+
+
+def make_loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 8, generator=g), torch.randn(24, 4, generator=g)
+    x[9, 3] = float("inf")  # batch 2 of every epoch overflows
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+
+
+def reference(accumulate: int = 1):
+    """mixprec's own loop: scale, backward, unscale, clip, step (skipped on overflow)."""
+    net = make_net()
+    sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    net, opt = amp.initialize(net, sgd, "O2", torch.bfloat16, loss_scale=make_loss_scale())
+    batches = list(make_loader())
+    scales, norms = [], []
+    for _ in range(EPOCHS):
+        for start in range(0, len(batches), accumulate):
+            for x, y in batches[start : start + accumulate]:
+                opt.scale_loss(F.mse_loss(net(x), y) / accumulate).backward()
+            opt.unscale_()
+            masters = [p for g in opt.param_groups for p in g["params"]]
+            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, CLIP)))
+            opt.step()
+            opt.zero_grad()
+            scales.append(float(opt.loss_scale))
+    return net, opt, scales, norms
+
+
+class Toy(L.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.automatic_optimization = not manual
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)  # self(x): the level casts at the module's forward
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        opt.step()
+        opt.zero_grad()
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+
+class Recorder(Logger):
+    """Keeps what Lightning's loggers are sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        self.hyperparams = params
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.metrics.append(dict(metrics))
+
+
+def fit(module, tmp_path, ckpt_path=None, callbacks=(), **trainer_args):
+    recorder = Recorder()
+    plugin = MixprecPrecision(level="O2", dtype=torch.bfloat16, loss_scale=make_loss_scale())
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=EPOCHS, plugins=[plugin], logger=recorder,
+        log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
+        default_root_dir=tmp_path, **trainer_args,
+    )  # fmt: skip
+    trainer.fit(module, make_loader(), ckpt_path=ckpt_path)
+    return trainer, plugin, recorder
+
+
+def logged(recorder, key):
+    return [m[key] for m in recorder.metrics if key in m]
+
+
+def assert_same_run(module, trainer, reference_run):
+    ref_net, ref_opt, ref_scales, _ = reference_run
+    opt = trainer.optimizers[0]
+    assert isinstance(opt, LossScaleOptimizer) and opt.master_weights
+    for mine, theirs in zip(module.net.parameters(), ref_net.parameters(), strict=True):
+        assert mine.dtype == theirs.dtype
+        assert torch.equal(mine, theirs)
+    for mine, theirs in zip(opt.param_groups[0]["params"], ref_opt.param_groups[0]["params"]):
+        assert torch.equal(mine, theirs)  # the float32 masters
+    assert float(opt.loss_scale) == ref_scales[-1]
+    assert int(opt.skipped_steps) == int(ref_opt.skipped_steps) == EPOCHS
+    assert int(opt.iterations) == int(ref_opt.iterations)
+
+
+def test_automatic_optimization_matches_mixprecs_loop_and_resumes_exactly(tmp_path):
+    reference_run = reference()
+    _, _, ref_scales, ref_norms = reference_run
+    assert max(ref_norms) > CLIP  # clipping acts
+    steps = list(zip(ref_scales, ref_scales[1:]))
+    assert any(b > a for a, b in steps) and any(b < a for a, b in steps)  # grows, backs off
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    module = Toy()
+    trainer, plugin, recorder = fit(module, tmp_path, callbacks=[saves], gradient_clip_val=CLIP)
+    assert_same_run(module, trainer, reference_run)
+    assert plugin.precision == trainer.precision == "bf16-mixed"
+    assert module.net[0].weight.dtype == torch.bfloat16  # O2: low precision
+    assert module.net[1].weight.dtype == torch.float32  # but the LayerNorm
+    # The loss scale after every step and the running count of skipped steps reach the loggers.
+    assert logged(recorder, "mixprec/loss_scale") == ref_scales
+    assert logged(recorder, "mixprec/skipped_steps")[-1] == EPOCHS
+
+    # Resume from the end of the first epoch in a fresh process state: same end point.
+    first_epoch = torch.load(next(tmp_path.glob("ckpt/epoch=0*.ckpt")), weights_only=False)
+    assert first_epoch["MixprecPrecision"] == {"level": "O2", "dtype": "torch.bfloat16"}
+    assert "mixprec" in first_epoch["optimizer_states"][0]
+    resumed = Toy()
+    path = str(next(tmp_path.glob("ckpt/epoch=0*.ckpt")))
+    trainer2, _, recorder2 = fit(
+        resumed, tmp_path / "again", ckpt_path=path, gradient_clip_val=CLIP
+    )
+    assert_same_run(resumed, trainer2, reference_run)
+    assert logged(recorder2, "mixprec/loss_scale") == ref_scales[len(ref_scales) // 2 :]
+
+
+@pytest.mark.parametrize("mode", ["accumulate_grad_batches", "manual"])
+def test_accumulation_and_manual_optimization_match_mixprecs_loop(mode, tmp_path):
+    if mode == "manual":  # training_step clips through self.clip_gradients
+        module, args, run = Toy(manual=True), {}, reference()
+    else:
+        module, run = Toy(), reference(accumulate=2)
+        args = {"accumulate_grad_batches": 2, "gradient_clip_val": CLIP}
+    trainer, _, recorder = fit(module, tmp_path, **args)
+    assert_same_run(module, trainer, run)
+    assert logged(recorder, "mixprec/loss_scale") == run[2]
+
+
+def test_a_loss_scale_optimizer_from_configure_optimizers_is_refused():
+    plugin = MixprecPrecision(level="O1", dtype=torch.bfloat16)
+    net = plugin.convert_module(make_net())
+    wrapped = LossScaleOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="return the plain optimizer"):
+        plugin.connect(net, [wrapped], [])
+
+
+def test_resuming_at_another_level_is_refused_before_anything_loads():
+    saved = MixprecPrecision(level="O2", dtype=torch.bfloat16).state_dict()
+    with pytest.raises(ValueError, match="level O2 in torch.bfloat16; this plugin is level O1"):
+        MixprecPrecision(level="O1", dtype=torch.bfloat16).load_state_dict(saved)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"level": "O4"}, ValueError, "level must be one of"),
+        ({"level": 2}, TypeError, "level must be a str"),
+        ({"dtype": torch.float32}, ValueError, "dtype must be torch.float16 or torch.bfloat16"),
+        ({"loss_scale": -1.0}, ValueError, "loss_scale"),
+        ({"log_metrics": "yes"}, TypeError, "log_metrics must be True or False"),
+        ({"device": 0}, TypeError, "device must be a str or torch.device"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MixprecPrecision(**kwargs)
+
+
+def test_auto_decides_by_the_device():
+    level, dtype, _ = amp.levels.choose_auto("cpu")
+    plugin = MixprecPrecision(level="auto", device="cpu")
+    assert (plugin.level, plugin.dtype) == (level, dtype)
+
+
+def test_a_missing_lightning_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "lightning", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "mixprec.integrations.lightning")
+    with pytest.raises(ImportError, match=r'pip install "mixprec\[lightning\]"'):
+        importlib.import_module("mixprec.integrations.lightning")
