@@ -17,8 +17,9 @@ from mixprec.loss_scale import loss_scale_from_spec
 from mixprec.numerics import unscale_and_check_
 from mixprec.optim.accumulation import GradientAccumulator
 from mixprec.optim.checkpoint import load_state, optimizer_state
-from mixprec.optim.clipping import clip_gradients_, decay_
+from mixprec.optim.clipping import decay_
 from mixprec.optim.counters import StepCounters
+from mixprec.optim.distributed import DistributedSteps
 from mixprec.optim.ema import ParameterEMA
 from mixprec.optim.master_weights import MasterWeights
 from mixprec.optim.misuse import refuse_unscaled_gradients
@@ -28,7 +29,7 @@ from mixprec.optim.wrapper import OptimizerWrapper, step_or_skip
 __all__ = ["LossScaleOptimizer"]
 
 
-class LossScaleOptimizer(OptimizerWrapper):
+class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
     """An optimizer that applies loss scaling (and mixed-precision extras) to another::
 
         opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
@@ -59,6 +60,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         master_weights: the model's parameters are float16/bfloat16; the inner optimizer
             steps float32 copies and the result is copied back after each applied step.
         skip_nonfinite: ``False`` applies every step, even one with inf/NaN gradients.
+        process_group: the ranks that skip together (:mod:`mixprec.optim.distributed`).
 
     ``param_groups``, ``state`` and hyperparameters (``opt.lr``) are the inner optimizer's
     (:class:`~mixprec.optim.wrapper.OptimizerWrapper`). Counters are tensors (reading
@@ -90,13 +92,14 @@ class LossScaleOptimizer(OptimizerWrapper):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         skip_nonfinite: bool = True,
+        process_group: Any = None,
     ) -> None:
         # Validate everything before touching the inner optimizer: a rejected
         # construction must leave it exactly as it was.
         accumulation = check_options(
             inner_optimizer, master_weights=master_weights, clipnorm=clipnorm,
             clipvalue=clipvalue, global_clipnorm=global_clipnorm, weight_decay=weight_decay,
-            use_ema=use_ema, ema_momentum=ema_momentum,
+            use_ema=use_ema, ema_momentum=ema_momentum, process_group=process_group,
             ema_overwrite_frequency=ema_overwrite_frequency, loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps, skip_nonfinite=skip_nonfinite,
         )  # fmt: skip
@@ -110,7 +113,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             loss_scaler=scaler, clipnorm=clipnorm, clipvalue=clipvalue,
             global_clipnorm=global_clipnorm, decoupled_weight_decay=weight_decay,
             loss_scale_factor=loss_scale_factor, skip_nonfinite=skip_nonfinite,
-            gradient_accumulation_steps=accumulation,
+            gradient_accumulation_steps=accumulation, process_group=process_group,
         )  # fmt: skip
         self._master = MasterWeights(inner_optimizer) if master_weights else None
         self._accumulator = GradientAccumulator(accumulation) if accumulation else None
@@ -171,8 +174,9 @@ class LossScaleOptimizer(OptimizerWrapper):
         """The tensors the inner optimizer updates (masters under master weights)."""
         return [p for g in self._inner.param_groups for p in g["params"]]
 
-    def unscale_(self) -> None:
-        """Divide this step's gradients by the loss scale now, in place (once per step).
+    def unscale_(self) -> torch.Tensor:
+        """Divide this step's gradients by the loss scale now, in place (once per step);
+        return ``found_inf`` (1.0 if any unscaled gradient is inf/NaN; no sync).
 
         ``GradScaler.unscale_``'s recipe: clipping then sees true gradients, and
         :meth:`step` does not unscale again::
@@ -184,13 +188,14 @@ class LossScaleOptimizer(OptimizerWrapper):
 
         Under ``master_weights=True`` the unscaled gradients are the float32 masters'
         (``opt.param_groups``): clip those, or use ``global_clipnorm=``. Twice before
-        ``step()`` is a ``RuntimeError``. No host sync.
+        ``step()`` is a ``RuntimeError``.
         """
         if "_unscaled_found_inf" in self.__dict__:
             raise RuntimeError(
                 "unscale_() has already been called since the last step(); call it once per step"
             )
-        self.__dict__["_unscaled_found_inf"] = self._unscale(self._stepped_params(), False)
+        found_inf = self.__dict__["_unscaled_found_inf"] = self._unscale(self._stepped_params(), False)
+        return found_inf
 
     def _unscale(self, params: list[torch.Tensor], unscaled: bool) -> torch.Tensor:
         """Copy to masters, unscale (unless ``unscaled``) and check; return ``found_inf``."""
@@ -211,8 +216,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         if found_inf is None:
             found_inf = self._unscale(params, unscaled)
         if self._accumulator is None:
-            return found_inf
-        return self._accumulator.window(params, found_inf)
+            return self._agree(found_inf)  # all ranks' verdict, before anything is applied
+        return self._agree(self._accumulator.window(params, found_inf))
 
     def _apply(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> bool:
         """Clip, decay, step (or skip), EMA, copy back, count. Leaves the scale alone.
@@ -223,8 +228,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         # 1 on an applied step, 0 on a skipped one: decay and EMA multiply by it.
         applied = 1.0 - found_inf if self.decoupled_weight_decay or self._ema else None
         with torch.no_grad():
-            grads = [p.grad for p in params if p.grad is not None]
-            clip_gradients_(grads, self.clipvalue, self.clipnorm, self.global_clipnorm)
+            self._clip(params)  # norms across shards (mixprec.optim.distributed)
             if self.decoupled_weight_decay:
                 decay_(self._inner.param_groups, self.decoupled_weight_decay, applied)
         skipped = step_or_skip(self._inner, found_inf, self.skip_nonfinite)
