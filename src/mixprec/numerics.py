@@ -63,8 +63,10 @@ def unscale_and_check_(
     if found_inf is None:
         found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     inv_scale = inv_scale.to(torch.float32)
-    for (device, _), group in group_by_device_and_dtype(tensors).items():
-        if device == found_inf.device:
+    for (device, dtype), group in group_by_device_and_dtype(tensors).items():
+        if not _fused_kernel_takes(device, dtype):
+            found_inf.copy_(torch.maximum(found_inf, _unscale_and_check_foreach_(group, inv_scale)))
+        elif device == found_inf.device:
             torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv_scale)
         else:
             # The kernel wants its flag and scale on the tensors' device.
@@ -75,6 +77,22 @@ def unscale_and_check_(
             # Flags from several devices add up: keep it a 0/1 flag.
             found_inf.add_(local_inf.to(found_inf.device, non_blocking=True)).clamp_(max=1.0)
     return found_inf
+
+
+def _fused_kernel_takes(device: torch.device, dtype: torch.dtype) -> bool:
+    # The CUDA kernel is built for float32, float64 and float16 only (the CPU one for
+    # bfloat16 too).
+    return device.type == "cpu" or dtype != torch.bfloat16
+
+
+def _unscale_and_check_foreach_(group: list[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    """What the fused kernel does, in two foreach passes: a max-abs norm per tensor (an
+    inf or NaN element makes it non-finite), then one in-place multiply."""
+    device = group[0].device
+    norms = torch._foreach_norm(group, float("inf"))
+    found = torch.stack(norms).isfinite().all().logical_not().float()
+    torch._foreach_mul_(group, inv_scale.to(device, non_blocking=True))
+    return found.to(inv_scale.device, non_blocking=True)
 
 
 def any_nonfinite(tensors: Iterable[torch.Tensor | None], device: torch.device) -> torch.Tensor:
