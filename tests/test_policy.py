@@ -214,3 +214,105 @@ def test_policy_cast_helpers():
     assert p.cast_to_compute(x).dtype == torch.bfloat16
     assert p.cast_to_output([x])[0].dtype == torch.float16
     assert p.cast_to_param(x) is x
+
+
+# -- jmp's policy tests, re-expressed (jmp/_src/policy_test.py) -------------------------
+
+JMP_NAMES = {F16: "float16", BF16: "bfloat16", F32: "float32"}
+
+
+@pytest.mark.parametrize("dtype", list(JMP_NAMES), ids=str)
+def test_jmp_get_policy_of_a_dtype_name(dtype):
+    assert dtypes(Policy(JMP_NAMES[dtype])) == (dtype,) * 3
+
+
+@pytest.mark.parametrize("dtype", list(JMP_NAMES), ids=str)
+def test_jmp_get_policy_mixed(dtype):
+    assert dtypes(Policy(f"c={JMP_NAMES[dtype]}")) == (F32, dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", list(JMP_NAMES), ids=str)
+def test_jmp_get_policy_compute_with_full_output(dtype):
+    assert dtypes(Policy(f"c={JMP_NAMES[dtype]},o=full")) == (F32, dtype, F32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_jmp_with_output_dtype(dtype):
+    policy = Policy(F32).with_output_dtype(dtype)
+    assert dtypes(policy) == (F32, F32, dtype)
+    assert Policy("mixed_bfloat16").with_output_dtype(SPELLINGS[dtype][0]).output_dtype == dtype
+
+
+def test_jmp_full_and_half_spellings():
+    # jmp: "full" is float32; "half" is float16 off TPUs (bfloat16 on them; no TPUs here).
+    assert dtypes(Policy("full")) == (F32,) * 3
+    assert dtypes(Policy("half")) == (F16,) * 3
+    assert dtypes(Policy("p=full,c=half")) == (F32, F16, F16)
+    assert dtypes(Policy(compute_dtype="bf16", output_dtype="full")) == (F32, BF16, F32)
+
+
+def test_jmp_almost_a_dtype_is_an_error():
+    with pytest.raises(ValueError, match="unknown policy name 'compute_float16'"):
+        Policy("compute_float16")
+
+
+def test_with_output_dtype_rejects_bad_dtypes_naming_the_argument():
+    p = Policy("mixed_float16")
+    with pytest.raises(ValueError, match="output_dtype: unknown dtype 'int8'.*full"):
+        p.with_output_dtype("int8")
+    with pytest.raises(TypeError, match="output_dtype must be a torch.dtype"):
+        p.with_output_dtype(3)
+    assert p == Policy("mixed_float16")  # frozen: nothing changed
+
+
+ALL_SPELLINGS = {**SPELLINGS, F32: [*SPELLINGS[F32], "full"]}
+
+
+def jmp_reference(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """jmp's get_policy rule, written out independently of mixprec's parser."""
+    lookup = {n: d for d, names in ALL_SPELLINGS.items() for n in names}
+    named = {"mixed_float16": (F32, F16, F16), "mixed_bfloat16": (F32, BF16, BF16)}
+    text = text.strip().lower()
+    if "=" not in text:
+        return named.get(text) or (lookup[text],) * 3
+    found = {}
+    for part in text.split(","):
+        key, value = (s.strip() for s in part.split("="))
+        found[key[0]] = lookup[value]
+    param = found.get("p", F32)
+    compute = found.get("c", param)
+    return param, compute, found.get("o", compute)
+
+
+def _case(draw, text):
+    return draw(st.sampled_from([text, text.upper(), text.capitalize()]))
+
+
+@st.composite
+def policy_texts(draw):
+    """Any sentence of the policy grammar: a name, or 1-3 distinct keys in any order,
+    each under any alias, with any dtype spelling, case and spaces."""
+    space = st.sampled_from(["", " ", "  "])
+    if draw(st.booleans()):
+        names = [
+            "mixed_float16",
+            "mixed_bfloat16",
+            *[n for ns in ALL_SPELLINGS.values() for n in ns],
+        ]
+        return draw(space) + _case(draw, draw(st.sampled_from(names))) + draw(space)
+    fields = draw(st.lists(st.sampled_from(list(KEYS)), min_size=1, max_size=3, unique=True))
+    items = []
+    for field in fields:
+        key = _case(draw, draw(st.sampled_from(KEYS[field])))
+        dtype = draw(st.sampled_from(DTYPES))
+        value = _case(draw, draw(st.sampled_from(ALL_SPELLINGS[dtype])))
+        items.append(f"{draw(space)}{key}{draw(space)}={draw(space)}{value}{draw(space)}")
+    return ",".join(items)
+
+
+@given(policy_texts())
+def test_every_sentence_of_the_grammar_parses_as_jmp_would_and_str_parses_back(text):
+    policy = Policy(text)
+    assert dtypes(policy) == jmp_reference(text)
+    assert Policy(str(policy)) == policy
+    assert str(Policy(str(policy))) == str(policy)

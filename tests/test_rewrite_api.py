@@ -11,7 +11,7 @@ from mixprec.compat.tf import enable_mixed_precision_graph_rewrite
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import policy_scope
-from mixprec.rewrite import AmpLists, CastCounter, count_casts, explain, rewrite
+from mixprec.rewrite import AmpLists, CastCounter, LazyRewrite, count_casts, explain, rewrite
 
 
 def mlp():
@@ -146,11 +146,24 @@ def test_entry_point_accepts_a_loss_scale_object():
     assert opt.loss_scaler is scale
 
 
-def test_entry_point_needs_example_inputs_with_a_model():
+def test_entry_point_without_example_inputs_captures_on_the_first_call():
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="example_inputs"):
-        enable_mixed_precision_graph_rewrite(optimizer, model=model)
+    lazy, opt = enable_mixed_precision_graph_rewrite(optimizer, model=model, dtype=torch.bfloat16)
+    assert isinstance(lazy, LazyRewrite) and lazy.captures == 0
+    assert model_api(model) == "rewrite"  # claimed at once: amp is refused from now on
+    eager = rewrite(mlp(), X, dtype=torch.bfloat16)
+    assert torch.equal(lazy(X), eager(X)) and lazy.captures == 1
+    assert isinstance(opt, LossScaleOptimizer) and opt.inner_optimizer is optimizer
+
+
+def test_entry_point_needs_a_model_for_example_inputs_or_max_captures():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kwargs in ({"example_inputs": X}, {"max_captures": 2}):
+        with pytest.raises(ValueError, match="without model="):
+            enable_mixed_precision_graph_rewrite(optimizer, **kwargs)
+    assert model_api(model) is None
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,13 @@ parses back to an equal policy::
     "mixed_bfloat16"                                  p=f32, c=bf16, o=bf16
     "p=f32,c=bf16,o=f32"                              any combination; keys p|param|params,
     "params=float32,compute=float16,output=float32"   c|compute, o|output; dtypes f32|fp32|
-                                                      float32|float, f16|fp16|float16|half,
-                                                      bf16|bfloat16, f64|fp64|float64|double
+                                                      float32|float|full, f16|fp16|float16|
+                                                      half, bf16|bfloat16, f64|fp64|float64|
+                                                      double
+    "full" | "half"                                   all float32 | all float16
+
+The grammar is jmp's (``"c=bf16,o=full"``, ``"half"``): a key left out follows the one
+before it (params default to float32, compute to params, output to compute).
 
 Output dtype of the ``mixed_*`` policies: the compute dtype (variables
 float32, computations and layer outputs float16). A layer's output is usually the
@@ -35,6 +40,8 @@ for a block) is the policy ``mixprec.amp.set_policy`` applies when it is given n
 (True, 'mixed_bfloat16')
 >>> str(Policy("params=float32,compute=float16,output=float32"))
 'p=f32,c=f16,o=f32'
+>>> str(Policy("c=bf16,o=full")), str(p.with_output_dtype(torch.float32))
+('p=f32,c=bf16,o=f32', 'p=f32,c=bf16,o=f32')
 """
 
 from __future__ import annotations
@@ -87,14 +94,30 @@ _FIXES = (
     f"with dtypes {', '.join(sorted(short_name(d) for d in FLOATING))}"
 )
 
+#: Spellings a policy accepts on top of the dtype table: jmp's "full" (and "half",
+#: which is float16 in the table already; jmp picks bfloat16 for it on TPUs).
+_POLICY_SPELLINGS = {"full": torch.float32}
+
+
+def _policy_dtype(value: Any, what: str) -> torch.dtype:
+    """A dtype as a policy spells it: a ``torch.dtype``, any name in the dtype table, or ``full``."""
+    if isinstance(value, str) and value.strip().lower() in _POLICY_SPELLINGS:
+        return _POLICY_SPELLINGS[value.strip().lower()]
+    try:
+        return as_dtype(value, what)
+    except ValueError as err:
+        if isinstance(value, str):  # the table's list of spellings, plus this one
+            raise ValueError(f"{err}, {', '.join(_POLICY_SPELLINGS)}") from None
+        raise
+
 
 def _parse(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """The ``(param, compute, output)`` dtypes that a policy string names."""
     text = name.strip().lower()
     if text in _NAMED:
         return _NAMED[text]
-    if text in DTYPE_NAMES:
-        return (DTYPE_NAMES[text],) * 3
+    if text in DTYPE_NAMES or text in _POLICY_SPELLINGS:
+        return (_policy_dtype(text, "policy"),) * 3
     if "=" not in text:
         raise ValueError(f"unknown policy name {name!r}; {_FIXES}")
     found: dict[str, torch.dtype] = {}
@@ -109,7 +132,7 @@ def _parse(name: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         field = _KEYS[key]
         if field in found:
             raise ValueError(f"policy {name!r} gives the {field.split('_')[0]} dtype twice")
-        found[field] = as_dtype(value, f"policy {name!r}")
+        found[field] = _policy_dtype(value, f"policy {name!r}")
     return _fill(found.get("param_dtype"), found.get("compute_dtype"), found.get("output_dtype"))
 
 
@@ -186,7 +209,7 @@ class Policy:
                     "Policy needs a name (e.g. Policy('mixed_bfloat16')) or dtype keywords "
                     "(e.g. Policy(compute_dtype=torch.bfloat16))"
                 )
-            dtypes = _fill(*(as_dtype(given[k], k) if k in given else None for k in _FIELDS))
+            dtypes = _fill(*(_policy_dtype(given[k], k) if k in given else None for k in _FIELDS))
         else:
             raise TypeError(
                 f"Policy name must be a str, torch.dtype or Policy, got "
@@ -207,6 +230,18 @@ class Policy:
     def is_mixed(self) -> bool:
         """Whether parameters are stored in a different dtype than they are used in."""
         return self.param_dtype != self.compute_dtype
+
+    def with_output_dtype(self, output_dtype: torch.dtype | str) -> Policy:
+        """This policy with another output dtype (jmp's ``Policy.with_output_dtype``).
+
+        >>> Policy("mixed_float16").with_output_dtype("full")
+        Policy('p=f32,c=f16,o=f32')
+        """
+        return Policy(
+            param_dtype=self.param_dtype,
+            compute_dtype=self.compute_dtype,
+            output_dtype=_policy_dtype(output_dtype, "output_dtype"),
+        )
 
     def cast_to_param(self, tree: Any) -> Any:
         """``tree`` with its floating tensors cast to the param dtype (see :func:`cast_floating`)."""
@@ -239,6 +274,8 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     Lists, tuples (named ones too) and mappings are rebuilt only where something
     changed; integer, bool and complex tensors and non-tensors pass through, so
     token ids and masks of indices are never touched. The casts are differentiable.
+    A tensor that appears several times is cast once and stays one object, so code
+    that checks identity (self-attention's ``query is key``) sees what it would have.
 
     >>> x, ids = torch.ones(2), torch.arange(2)
     >>> out = cast_floating({"x": x, "ids": ids, "n": 3}, torch.bfloat16)
@@ -246,20 +283,29 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     (torch.bfloat16, torch.int64, 3)
     >>> cast_floating((x, ids), torch.float32)[0] is x      # nothing to do: same objects
     True
+    >>> q, k = cast_floating((x, x), torch.bfloat16); q is k
+    True
     """
+    return _cast_tree(tree, dtype, {})
+
+
+def _cast_tree(tree: Any, dtype: torch.dtype, done: dict[int, torch.Tensor]) -> Any:
     if isinstance(tree, torch.Tensor):
         if tree.is_floating_point() and tree.dtype != dtype:
-            return tree.to(dtype)
+            cast = done.get(id(tree))
+            if cast is None:
+                cast = done[id(tree)] = tree.to(dtype)
+            return cast
         return tree
     if isinstance(tree, (list, tuple)):
-        items = [cast_floating(item, dtype) for item in tree]
+        items = [_cast_tree(item, dtype, done) for item in tree]
         if all(new is old for new, old in zip(items, tree)):
             return tree
         if isinstance(tree, tuple) and hasattr(tree, "_fields"):
             return type(tree)(*items)
         return type(tree)(items)
     if isinstance(tree, Mapping):
-        values = {key: cast_floating(value, dtype) for key, value in tree.items()}
+        values = {key: _cast_tree(value, dtype, done) for key, value in tree.items()}
         if all(values[key] is value for key, value in tree.items()):
             return tree
         try:

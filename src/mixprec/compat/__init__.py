@@ -9,7 +9,8 @@ name and lists the deliberate differences.
   ``LossScaleOptimizer`` (TF2), ``enable_mixed_precision_graph_rewrite``.
 * :mod:`mixprec.compat.keras` - Keras 3 ``LossScaleOptimizer`` and policies.
 * :mod:`mixprec.compat.mindspore` - ``Model``, loss-scale managers, ``LossMonitor``,
-  ``to_float``, ``Momentum(loss_scale=)``, ``WithLossCell``, ``TrainOneStepCell``.
+  ``to_float``, ``Momentum(loss_scale=)``, ``WithLossCell``, ``TrainOneStepCell``,
+  ``TrainOneStepWithLossScaleCell``, the loss-scale update cells.
 """
 
 from mixprec.compat import keras, mindspore, tf

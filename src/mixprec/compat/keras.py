@@ -9,17 +9,23 @@
 0.1
 >>> float(opt.dynamic_scale), opt.name
 (32768.0, 'sgd_ls')
+>>> config = opt.get_config()
+>>> sorted(config)
+['clipnorm', 'dynamic_growth_steps', 'initial_scale', 'inner_optimizer', 'name']
+>>> LossScaleOptimizer.from_config(config, params=[w]).clipnorm
+1.0
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from mixprec._checks import check_instance, check_number
-from mixprec.compat.tf import TFOptimizerAPI
+from mixprec._checks import check_bool, check_instance, check_number
+from mixprec.compat._optimizer_config import optimizer_config
+from mixprec.compat.tf.optimizer import TFOptimizerAPI, inner_from_config
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer as _CoreLossScaleOptimizer
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
@@ -47,6 +53,19 @@ BASE_OPTIMIZER_KWARGS = (
     "gradient_accumulation_steps",
 )
 
+# Their defaults: get_config() lists an option only where it differs (Keras 3 lists none).
+_BASE_DEFAULTS = {
+    "weight_decay": None,
+    "clipnorm": None,
+    "clipvalue": None,
+    "global_clipnorm": None,
+    "use_ema": False,
+    "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None,
+    "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
 
 class LossScaleOptimizer(TFOptimizerAPI, _CoreLossScaleOptimizer):
     """``keras.optimizers.LossScaleOptimizer(inner_optimizer, initial_scale=32768.0,
@@ -57,7 +76,15 @@ class LossScaleOptimizer(TFOptimizerAPI, _CoreLossScaleOptimizer):
     no ceiling, and neither does this. ``kwargs`` are the base-optimizer options
     (:data:`BASE_OPTIMIZER_KWARGS`), all applied to unscaled gradients and only on
     applied steps. ``dynamic_scale`` and ``step_counter`` are Keras's names for
-    ``loss_scale`` and ``dynamic_counter``.
+    ``loss_scale`` and ``dynamic_counter``. ``dynamic=True`` is accepted and
+    ``dynamic=False`` refused, as Keras 3 does.
+
+    ``get_config()`` has Keras's keys (``name``, ``inner_optimizer`` nested as
+    ``{"module", "class_name", "config"}``, ``initial_scale``, ``dynamic_growth_steps``)
+    plus each base option set to other than its default; ``from_config(config,
+    custom_objects=None, params=...)`` rebuilds it over ``params``
+    (:mod:`mixprec.compat._optimizer_config`), or takes ``config["inner_optimizer"]``
+    as an optimizer object.
     """
 
     def __init__(
@@ -67,6 +94,14 @@ class LossScaleOptimizer(TFOptimizerAPI, _CoreLossScaleOptimizer):
         dynamic_growth_steps: int = 2000,
         **kwargs: Any,
     ) -> None:
+        dynamic = kwargs.pop("dynamic", True)
+        check_bool("dynamic", dynamic)
+        if not dynamic:
+            raise ValueError(
+                "LossScaleOptimizer no longer supports dynamic=False (Keras 3): set "
+                "loss_scale_factor= for a fixed factor, or use "
+                "mixprec.compat.tf.LossScaleOptimizer(opt, dynamic=False, initial_scale=...)"
+            )
         unknown = sorted(set(kwargs) - set(BASE_OPTIMIZER_KWARGS))
         if unknown:
             raise TypeError(
@@ -90,6 +125,33 @@ class LossScaleOptimizer(TFOptimizerAPI, _CoreLossScaleOptimizer):
             kwargs.get("ema_momentum", 0.99),
             kwargs.get("ema_overwrite_frequency"),
         )
+
+    def get_config(self) -> dict[str, Any]:
+        """Keras 3's keys, plus the base options that differ from their defaults."""
+        ls = self.loss_scaler
+        options = {name: getattr(self, name) for name in _BASE_DEFAULTS}  # current values
+        return {
+            "name": self.name,
+            "inner_optimizer": optimizer_config(self.inner_optimizer),
+            "initial_scale": float(ls.initial_scale),
+            "dynamic_growth_steps": ls.growth_interval,
+            **{k: v for k, v in options.items() if v != _BASE_DEFAULTS[k]},
+        }
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        custom_objects: Mapping[str, Any] | None = None,
+        *,
+        params: Any = None,
+    ) -> LossScaleOptimizer:
+        """Rebuild from :meth:`get_config` over ``params`` (Keras: ``cls(inner, **config)``)."""
+        config = dict(config)
+        if "inner_optimizer" not in config:
+            raise ValueError(f"config has no 'inner_optimizer' (keys: {sorted(config)})")
+        inner = inner_from_config(config.pop("inner_optimizer"), params, custom_objects)
+        return cls(inner, **config)
 
     # Keras's attribute names for the base-optimizer options. ``weight_decay`` is the
     # decoupled decay given here, not the inner optimizer's own ``weight_decay``

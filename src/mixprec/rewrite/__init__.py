@@ -13,18 +13,22 @@ Modules, one concept each: ``defaults`` (the default op lists and their reasons)
 (reading graph nodes), ``capture`` (torch.export / symbolic_trace), ``modes``
 (train/eval in the graph), ``paint`` (the painting algorithm), ``plan`` (where
 casts go), ``casts`` (inserting and simplifying them), ``explain`` (reports, cast
-counting), ``api`` (entry points).
+counting), ``lazy`` (capture on the first call), ``api`` (entry points).
 
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> gm = rewrite(net, torch.randn(4, 8), dtype=torch.bfloat16)
 >>> print(explain(gm).summary)
 converted 3/3 ops to bfloat16 using 4 casts
+>>> lazy = rewrite(torch.nn.Linear(4, 2), dtype=torch.bfloat16)   # captures when first called
+>>> lazy(torch.randn(3, 4)).dtype, explain(lazy).summary
+(torch.float32, 'converted 1/1 ops to bfloat16 using 2 casts')
 """
 
 from mixprec.rewrite.api import rewrite
 from mixprec.rewrite.capture import CaptureError
 from mixprec.rewrite.explain import CastCounter, ReportRow, RewriteReport, count_casts, explain
+from mixprec.rewrite.lazy import LazyRewrite, RecaptureLimitError
 from mixprec.rewrite.lists import (
     ALLOW,
     CLEAR,
@@ -44,6 +48,8 @@ __all__ = [
     "AmpLists",
     "CaptureError",
     "CastCounter",
+    "LazyRewrite",
+    "RecaptureLimitError",
     "ReportRow",
     "RewriteReport",
     "count_casts",

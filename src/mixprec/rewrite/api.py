@@ -1,4 +1,4 @@
-"""The rewrite's entry point: ``rewrite(model, example_inputs, dtype)``.
+"""The rewrite's entry point: ``rewrite(model, example_inputs=None, dtype)``.
 
 >>> import torch
 >>> from mixprec import LossScaleOptimizer
@@ -19,15 +19,17 @@ import torch
 from torch import fx, nn
 
 from mixprec._api_guard import claim_model, model_api
-from mixprec._checks import check_bool
+from mixprec._checks import check_bool, check_number
 from mixprec.dtypes import as_low_precision
 from mixprec.rewrite.capture import capture
 from mixprec.rewrite.casts import apply_plan
+from mixprec.rewrite.lazy import DEFAULT_MAX_CAPTURES, LazyRewrite
 from mixprec.rewrite.lists import AmpLists, check_level
 from mixprec.rewrite.paint import paint
 from mixprec.rewrite.plan import minimize_casts
 
 __all__ = ["rewrite"]
+
 
 def _check_dtype(dtype: Any) -> torch.dtype:
     return as_low_precision(
@@ -50,6 +52,10 @@ def _check_model(model: Any) -> None:
                 f"submodule {name!r} already uses the mixprec {model_api(module)!r} API; only "
                 "one mixed-precision API can be used on a model: start from the float32 model"
             )
+    _check_float32(model)
+
+
+def _check_float32(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if param.dtype in (torch.float16, torch.bfloat16):
             raise ValueError(
@@ -58,15 +64,52 @@ def _check_model(model: Any) -> None:
             )
 
 
+def _rewrite_graph(
+    model: nn.Module,
+    args: Any,
+    low: torch.dtype,
+    lists: AmpLists,
+    level: str,
+    keep_output_dtype: bool,
+    training: bool = True,
+    lazy: bool = False,
+) -> tuple[fx.GraphModule, str]:
+    """Capture ``model`` on ``args`` and rewrite the graph; returns it and how it was captured."""
+    captured = capture(model, args, training=training, warn_batch=not lazy)
+    gm = captured.module
+    painting = paint(gm.graph, lists, low, level, root=gm)
+    plan, saved = minimize_casts(painting, keep_output_dtype)
+    apply_plan(gm, painting, plan, saved)
+    gm.meta["mixprec"] = {
+        "dtype": str(low).replace("torch.", ""),
+        "level": level,
+        "method": captured.method,
+        "export_error": captured.export_error,
+        "keep_output_dtype": keep_output_dtype,
+    }
+    claim_model(gm, "rewrite")
+    gm.train(training)
+    return gm, captured.method
+
+
 def rewrite(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: Any = None,
     dtype: torch.dtype = torch.float16,
     lists: AmpLists | None = None,
     level: str = "default",
     keep_output_dtype: bool = False,
-) -> fx.GraphModule:
+    *,
+    max_captures: int | None = None,
+) -> fx.GraphModule | LazyRewrite:
     """Return ``model`` as a graph whose chosen ops run in ``dtype``, with casts inside.
+
+    With ``example_inputs`` the model is captured now and a ``torch.fx.GraphModule``
+    comes back. Without them a :class:`~mixprec.rewrite.lazy.LazyRewrite` comes back,
+    which captures on its first call and again when the inputs' shapes, dtypes or
+    devices or the train/eval mode change (as ``torch.compile`` compiles, and as the
+    classic graph rewrite ran when a graph first ran); after ``max_captures`` graphs (default
+    8) a call that fits none raises :class:`~mixprec.rewrite.lazy.RecaptureLimitError`.
 
     Algorithm::
 
@@ -95,6 +138,8 @@ def rewrite(
         level: ``"default"``, ``"treat_infer_as_deny"``, ``"allow_only"`` or
             ``"unsafe_force_all"`` (see ``mixprec.rewrite.PAINT_LEVELS``).
         keep_output_dtype: return outputs in the dtype of the op that made them.
+        max_captures: for a lazy rewrite (no ``example_inputs``), how many graphs it may
+            capture before refusing a call that fits none of them.
 
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Softmax(-1))
     >>> gm = rewrite(net, torch.randn(2, 4), dtype=torch.bfloat16)
@@ -115,23 +160,34 @@ def rewrite(
         raise TypeError(f"level must be a string, got {level!r} ({type(level).__name__})")
     check_level(level)
     check_bool("keep_output_dtype", keep_output_dtype)
+    if max_captures is not None:
+        if example_inputs is not None:
+            raise ValueError(
+                "max_captures applies to a lazy rewrite, which captures on each new kind of "
+                "call; with example_inputs= the model is captured once: drop max_captures"
+            )
+        check_number("max_captures", max_captures, integer=True, minimum=1)
     effective = lists.with_env()
 
-    captured = capture(model, example_inputs)
-    gm = captured.module
-    painting = paint(gm.graph, effective, low, level, root=gm)
-    plan, saved = minimize_casts(painting, keep_output_dtype)
-    apply_plan(gm, painting, plan, saved)
-    gm.meta["mixprec"] = {
-        "dtype": str(low).replace("torch.", ""),
-        "level": level,
-        "method": captured.method,
-        "export_error": captured.export_error,
-        "keep_output_dtype": keep_output_dtype,
-    }
+    if example_inputs is None:
+
+        def build(
+            module: nn.Module, args: tuple[Any, ...], training: bool
+        ) -> tuple[fx.GraphModule, str]:
+            _check_float32(module)  # .half() after rewrite() is caught at the next capture
+            return _rewrite_graph(
+                module, args, low, effective, level, keep_output_dtype, training, lazy=True
+            )
+
+        result: fx.GraphModule | LazyRewrite = LazyRewrite(
+            model, build, DEFAULT_MAX_CAPTURES if max_captures is None else max_captures
+        )
+    else:
+        result, _ = _rewrite_graph(model, example_inputs, low, effective, level, keep_output_dtype)
+        result.train(model.training)
     # Every submodule is marked, so that the amp API refuses any part of the model.
     for module in model.modules():
         claim_model(module, "rewrite")
-    claim_model(gm, "rewrite")
-    gm.train(model.training)
-    return gm
+    if isinstance(result, LazyRewrite):
+        claim_model(result, "rewrite")  # a captured graph is claimed when it is made
+    return result

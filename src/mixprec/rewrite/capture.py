@@ -3,7 +3,7 @@
 Algorithm::
 
     args = example_inputs as a tuple
-    model.train()                                   # mode constants are tied later
+    model.train(training)                           # mode constants are tied later
     try:   gm = torch.export.export(model, args, dynamic batch dim, strict=False).module()
     except: try:   gm = symbolic_trace(model) (nn.Linear / nn.Conv* traced through)
             except: raise CaptureError(which construct failed in each, what to use instead)
@@ -211,10 +211,18 @@ def functionalize_inplace(graph: fx.Graph) -> int:
     return replaced
 
 
-def capture(model: nn.Module, example_inputs: Any) -> Captured:
-    """Capture ``model`` as a ``GraphModule`` (see the module docstring for the steps)."""
+def capture(
+    model: nn.Module, example_inputs: Any, *, training: bool = True, warn_batch: bool = True
+) -> Captured:
+    """Capture ``model`` as a ``GraphModule`` (see the module docstring for the steps).
+
+    ``training``: the mode the forward is traced in. Training mode (the default)
+    gives a graph for both modes (its mode constants follow ``gm.training``); a
+    graph traced in evaluation mode is for evaluation (the lazy rewrite captures
+    one per mode). ``warn_batch``: warn about an example batch of 0 or 1.
+    """
     args = normalize_example_inputs(example_inputs)
-    for leaf in pytree.tree_leaves(args):
+    for leaf in pytree.tree_leaves(args) if warn_batch else ():
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] < 2:
             warnings.warn(
                 f"an example input has batch size {leaf.shape[0]}; torch.export specializes "
@@ -229,7 +237,7 @@ def capture(model: nn.Module, example_inputs: Any) -> Captured:
     was_training = model.training
     export_error: BaseException | None = None
     try:
-        model.train()
+        model.train(training)
         try:
             gm, method = _export(model, args), "export"
         except Exception as err:  # any failure of export sends us to the fallback

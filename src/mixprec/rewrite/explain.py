@@ -24,6 +24,8 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mixprec.rewrite.lazy import LazyRewrite
+
 __all__ = ["CastCounter", "ReportRow", "RewriteReport", "count_casts", "explain"]
 
 _COLUMNS = ("module", "node", "op", "list", "colour", "reason")
@@ -107,13 +109,16 @@ class RewriteReport:
         return "\n".join(lines)
 
 
-def explain(graph_module: fx.GraphModule) -> RewriteReport:
+def explain(graph_module: fx.GraphModule | LazyRewrite) -> RewriteReport:
     """Report on a module returned by :func:`mixprec.rewrite.rewrite`.
 
     Rows list every float32 op of the original model (with the module that ran
     it, its op name, its list, the dtype it now runs in and why), then the bias
-    adds and casts the rewrite added.
+    adds and casts the rewrite added. A lazily rewritten model is reported on the
+    graph its last call ran.
     """
+    if isinstance(graph_module, LazyRewrite):
+        graph_module = graph_module.graph_module
     if not isinstance(graph_module, fx.GraphModule):
         raise TypeError(
             f"graph_module must be a torch.fx.GraphModule returned by mixprec.rewrite.rewrite, "

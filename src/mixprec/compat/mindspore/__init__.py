@@ -25,6 +25,11 @@ from mixprec.compat.mindspore.cells import (
     WithLossCell,
     build_train_network,
 )
+from mixprec.compat.mindspore.loss_scale_cells import (
+    DynamicLossScaleUpdateCell,
+    FixedLossScaleUpdateCell,
+    TrainOneStepWithLossScaleCell,
+)
 from mixprec.compat.mindspore.managers import (
     DynamicLossScaleManager,
     FixedLossScaleManager,
@@ -47,5 +52,8 @@ __all__ = [
     "WithLossCell",
     "TrainOneStepCell",
     "CustomTrainOneStepCell",
+    "TrainOneStepWithLossScaleCell",
+    "FixedLossScaleUpdateCell",
+    "DynamicLossScaleUpdateCell",
     "build_train_network",
 ]
