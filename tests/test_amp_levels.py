@@ -192,7 +192,9 @@ def test_loss_scale_argument_forms():
     ls = StaticLossScale(64.0)
     assert make_zoo("O1", torch.bfloat16, loss_scale=ls)[1].loss_scaler is ls
     assert float(make_zoo("O1", torch.bfloat16, loss_scale=256)[1].loss_scale) == 256.0
-    assert isinstance(make_zoo("O3", torch.float16, loss_scale="dynamic")[1].loss_scaler, DynamicLossScale)
+    assert isinstance(
+        make_zoo("O3", torch.float16, loss_scale="dynamic")[1].loss_scaler, DynamicLossScale
+    )
 
 
 @pytest.mark.parametrize(
@@ -219,13 +221,16 @@ def test_without_optimizer_returns_none():
     assert out is model and opt is None and model.weight.dtype == torch.bfloat16
 
 
-def test_auto_is_o1_bf16_on_cpu_and_o2_with_dtype_on_cuda(monkeypatch):
+def test_auto_is_o1_bf16_on_a_bf16_cpu_and_o2_by_capability_on_cuda(monkeypatch):
+    # The CPU and capability cases in full are in test_auto_level.py.
+    monkeypatch.setattr(amp_levels, "cpu_has_fast", lambda dtype: dtype == torch.bfloat16)
     model = nn.Linear(4, 4)
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto")
     assert amp.get_policy(model).compute_dtype == torch.bfloat16
     assert model.weight.dtype == torch.float32  # O1: float32 parameters, cast on the fly
     assert not opt.master_weights
     monkeypatch.setattr(amp_levels, "_model_device", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert amp_levels.resolve_level(nn.Linear(1, 1), "auto", torch.float16) == ("O2", torch.float16)
 
 
@@ -267,8 +272,93 @@ def test_o1_function_lists_reach_functional_code():
     with rec:
         model(torch.randn(4, 8)).sum().backward()
     assert rec.dtypes_of("mm") == {"torch.bfloat16"}  # x @ w, forward and backward
-    assert rec.dtypes_of("_softmax") == {"torch.float32"}  # output of @ is back in float32
+    # x @ w hands softmax bfloat16; softmax is deny-listed and casts it up.
+    assert rec.dtypes_of("_softmax") == {"torch.float32"}
     assert model[0].w.grad.dtype == F32
+
+
+def autocast_twin(make, x, low=torch.bfloat16):
+    """``make()`` under O1 and under torch.autocast: outputs, gradients, cast counts."""
+    from mixprec.rewrite import CastCounter
+
+    torch.manual_seed(0)
+    model = make()
+    torch.manual_seed(0)
+    reference = make()
+    amp.initialize(model, level="O1", dtype=low)
+    with CastCounter() as ours:
+        out = model(x)
+        out.sum().backward()
+    with CastCounter() as theirs:
+        with torch.autocast("cpu", dtype=low):
+            ref = reference(x)
+        ref = ref.float()  # O1 hands the loss float32 too
+        ref.sum().backward()
+    return (out, model), (ref, reference), ours.count, theirs.count
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [
+        (lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.GELU(),
+                               nn.Linear(32, 4)), (8, 16)),
+        (lambda: nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                               nn.Linear(36, 3)), (4, 1, 8, 8)),
+        (lambda: nn.Sequential(nn.TransformerEncoder(nn.TransformerEncoderLayer(
+            16, 2, 32, dropout=0.0, batch_first=True), 1, enable_nested_tensor=False),
+            nn.Flatten(), nn.Linear(64, 3)), (2, 4, 16)),
+    ],
+    ids=["mlp", "convnet", "transformer"],
+)  # fmt: skip
+def test_o1_is_torch_autocast_bit_for_bit_with_as_many_casts(make, shape):
+    """Allow-listed outputs stay low, so O1 runs the same kernels on the same dtypes as
+    torch.autocast: the same outputs and gradients, bit for bit, and no extra cast."""
+    x = torch.randn(*shape)
+    (out, model), (ref, reference), ours, theirs = autocast_twin(make, x)
+    assert out.dtype == F32 and torch.equal(out, ref)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.dtype == F32 and torch.equal(p.grad, q.grad)
+    assert ours == theirs
+
+
+class Chain(nn.Module):
+    """Allow-listed layers in a row, then deny-listed ones with and without parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.norm = nn.InstanceNorm1d(1)  # no parameters: cast up by its own policy
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x):
+        h = self.b(torch.relu(self.a(x)))
+        h = self.ln(self.norm(h.unsqueeze(1)).squeeze(1))
+        return torch.log_softmax(self.a(h), dim=-1)
+
+
+def test_o1_allow_listed_outputs_stay_low_and_deny_listed_ops_cast_up():
+    torch.manual_seed(0)
+    model = Chain()
+    amp.initialize(model, level="O1", dtype=torch.bfloat16)
+    seen = record_compute(model, torch.randn(4, 8))
+    assert seen["a"][0] == seen["b"][0] == torch.bfloat16  # b takes a's output as it is
+    assert seen["norm"][0] == seen["ln"][0] == F32
+    assert seen[""][0] == F32  # the model's output, whatever its last op gave
+    rec = Recorder()
+    with rec:
+        model(torch.randn(4, 8))
+    assert rec.dtypes_of("_log_softmax") == {"torch.float32"}
+    assert rec.dtypes_of("addmm") == {"torch.bfloat16"}
+
+
+def test_the_default_deny_functions_are_o1s_only():
+    assert {F.softmax, F.log_softmax, F.cross_entropy, torch.exp} <= set(amp.get_black_list())
+    model = nn.Sequential(Scores())
+    amp.initialize(model, level="O2", dtype=torch.bfloat16)
+    rec = Recorder()
+    with rec:
+        model(torch.randn(4, 8))
+    assert rec.dtypes_of("_softmax") == {"torch.bfloat16"}  # O2 computes it low
 
 
 def test_custom_black_list_function_runs_float32_inside_a_low_region():

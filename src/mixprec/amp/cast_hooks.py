@@ -122,19 +122,33 @@ def region_members(owner: nn.Module) -> list[nn.Module]:
 
 
 class FunctionLists:
-    """Torch functions to run in low precision / float32, whatever region they are in."""
+    """Torch functions to run in low precision / float32, whatever region they are in.
 
-    def __init__(self, low: frozenset, high: frozenset, low_dtype: torch.dtype) -> None:
+    ``keep_outputs`` (level O1): a listed function's outputs stay in the dtype it ran
+    in, as under ``torch.autocast``; otherwise they go back to the region's dtype.
+    """
+
+    def __init__(
+        self,
+        low: frozenset,
+        high: frozenset,
+        low_dtype: torch.dtype,
+        *,
+        keep_outputs: bool = False,
+    ) -> None:
         self.low, self.high, self.low_dtype = low, high, low_dtype
+        self.keep_outputs = keep_outputs
 
 
 class _FunctionCastMode(TorchFunctionMode):
     """Casts the arguments of listed torch functions for the forward of one model.
 
-    A function sees the innermost region's compute dtype; an allow-listed one in a
-    wider region runs in the low dtype, a deny-listed one in a low region runs in
-    float32, and either's floating outputs go back to the region's dtype so the
-    code around the call sees what it would have seen without amp.
+    An allow-listed function runs in the low dtype and a deny-listed one in float32.
+    With ``keep_outputs`` (O1, as ``torch.autocast``) its inputs are cast whatever
+    region it is in and its outputs stay in that dtype, so a chain of allow-listed
+    ops casts once. Otherwise only a function in a region of the other dtype is
+    cast, and its floating outputs go back to the region's dtype, so the code around
+    the call sees what it would have seen without amp. ``out=`` calls run as given.
     """
 
     def __init__(self, lists: FunctionLists, cache: _CastCache) -> None:
@@ -148,11 +162,28 @@ class _FunctionCastMode(TorchFunctionMode):
             lists.low_dtype if func in lists.low else torch.float32 if func in lists.high else None
         )
         stack = _region_stack()
-        if target is None or not stack or stack[-1] == target:
+        if target is None or not stack or "out" in kwargs:
+            return func(*args, **kwargs)
+        if lists.keep_outputs:
+            if _needs_cast((args, kwargs), target):  # usually not: the region cast them
+                args, kwargs = self.cache.cast_args((args, kwargs), target)
             return func(*args, **kwargs)
         region = stack[-1]
+        if region == target:
+            return func(*args, **kwargs)
         args, kwargs = self.cache.cast_args((args, kwargs), target)
         return cast_floating(func(*args, **kwargs), region)
+
+
+def _needs_cast(tree: Any, dtype: torch.dtype) -> bool:
+    """Whether ``tree`` holds a floating tensor of another dtype (no copies made)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.is_floating_point() and tree.dtype != dtype
+    if isinstance(tree, (list, tuple)):
+        return any(_needs_cast(item, dtype) for item in tree)
+    if isinstance(tree, dict):
+        return any(_needs_cast(item, dtype) for item in tree.values())
+    return False
 
 
 class _CastCache:
@@ -298,7 +329,7 @@ class ModuleAmp:
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         dtype = self.compute_dtype
-        new_args, new_kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        new_args, new_kwargs = cast_floating((args, kwargs), dtype)  # one cast per tensor
         if self.policy is None:
             self._shadow(module)
         else:
@@ -345,10 +376,11 @@ class ModuleAmp:
         if not stack:
             _local.pass_token = None
         policy = self.policy
-        if output is None or policy.output_dtype == policy.compute_dtype:
+        if output is None or (policy.output_dtype == policy.compute_dtype and self.level is None):
             # The output stays as computed: normally the compute dtype, but a nested
             # float32 layer's output stays float32 (a model's output is its
-            # last layer's, Dense(2, dtype="float32") gives float32).
+            # last layer's, Dense(2, dtype="float32") gives float32). A level's root
+            # always casts: under O1 its last allow-listed layer hands back low precision.
             return None
         return cast_floating(output, policy.output_dtype)
 
@@ -357,4 +389,3 @@ class ModuleAmp:
         state = dict(self.__dict__)
         state.update(_members=None, _frames={}, _active={}, region_owner=None)
         return state
-

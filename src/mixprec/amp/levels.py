@@ -6,11 +6,15 @@
     O0     float32                nothing                            none           no
     O1     float32, cast on the   allow-listed modules and functions  dynamic (fp16)  no
            fly (cached per step)  (linear, conv*, matmul/bmm, RNNs,   none (bf16)
-                                  prelu, MultiheadAttention)
+                                  prelu, MultiheadAttention); their
+                                  outputs stay low, deny-listed ops
+                                  (norms, softmax, losses) cast up
     O2     low; norms float32     everything but the deny list        dynamic         float32, in
                                   (BatchNorm, LayerNorm, GroupNorm..)                  the optimizer
     O3     low, norms too         everything                          none           no
-    auto   O2 on CUDA; O1 with bfloat16 on a CPU (see initialize)
+    auto   by the hardware (see choose_auto): CUDA O2, bfloat16 at compute capability
+           >= 8.0, else float16 with a dynamic loss scale; a CPU with bfloat16 units O1
+           bfloat16; any other CPU O0 (float32)
 
 At every level the model's floating inputs are cast to its compute dtype on entry
 and its floating outputs to float32, so the loss is computed in float32. bfloat16
@@ -18,9 +22,12 @@ has float32's exponent range, so its gradients do not underflow: O1 and O3 do no
 scale a bfloat16 loss by default, O2 keeps its dynamic scale (harmless, and it still
 skips a step whose gradients overflow).
 
-O3 steps low-precision parameters directly. Adam-family optimizers with their
-default ``eps=1e-8`` then divide by zero in float16 (1e-8 is below float16's
-smallest subnormal), so use SGD, a larger ``eps``, bfloat16, or O2 there.
+O3 steps low-precision parameters directly, so Adam's moments are float16 too. An
+``eps`` below float16's smallest normal number (6.1e-05), like Adam's default 1e-8,
+rounds to (almost) zero there and the first applied step turns every weight NaN or inf.
+:func:`initialize` refuses that up front (``ValueError`` naming the group and ``eps``)
+rather than keeping the state in float32 behind the optimizer's back, which is what
+O2's master weights are for. Use ``eps >= 1e-4``, bfloat16, SGD, or O2.
 
 ``nn.MultiheadAttention`` feeds raw Parameters to ``F.multi_head_attention_forward``
 instead of calling ``nn.Linear`` modules, so O1 lists the module type itself: its
@@ -33,6 +40,7 @@ hooks and runs the regular layers.
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any
 
 import torch
@@ -48,7 +56,9 @@ from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, loss_
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
 
-__all__ = ["initialize", "LEVELS", "resolve_level"]
+__all__ = ["initialize", "LEVELS", "resolve_level", "choose_auto", "cpu_has_fast"]
+
+_log = logging.getLogger("mixprec.amp")
 
 #: The level names :func:`initialize` accepts.
 LEVELS = ("O0", "O1", "O2", "O3", "auto")
@@ -84,13 +94,65 @@ def _model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
+def cpu_has_fast(dtype: torch.dtype) -> bool:
+    """Whether this CPU has ``dtype`` units, by oneDNN's check (else, e.g. AVX2 only, its
+    matmuls are emulated ~100x slower than float32).
+
+    >>> cpu_has_fast(torch.bfloat16) in (True, False)
+    True
+    """
+    name = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    try:
+        return bool(getattr(torch.ops.mkldnn, name[dtype])())
+    except (KeyError, AttributeError, RuntimeError):  # no such check in this build: no units
+        return False
+
+
+def choose_auto(device: torch.device | str) -> tuple[str, torch.dtype, str]:
+    """``(level, dtype, reason)``: what ``auto`` picks on ``device`` (table above), and why.
+
+    >>> level, dtype, reason = choose_auto("cpu")
+    >>> (level, dtype) in (("O1", torch.bfloat16), ("O0", torch.float32))
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        cap = "{}.{}".format(*torch.cuda.get_device_capability(device))
+        if torch.cuda.get_device_capability(device) >= (8, 0):
+            return "O2", torch.bfloat16, f"CUDA compute capability {cap} >= 8.0: bfloat16 units"
+        why = f"CUDA compute capability {cap} < 8.0: no bfloat16 units, float16 + loss scaling"
+        return "O2", torch.float16, why
+    if device.type != "cpu":
+        return "O0", torch.float32, f"no known fast low precision on {device.type}: float32"
+    if cpu_has_fast(torch.bfloat16):
+        return _CPU_AUTO_LEVEL, torch.bfloat16, "this CPU has bfloat16 units"
+    why = "this CPU has no bfloat16 units: bfloat16 would be emulated, far slower than float32"
+    return "O0", torch.float32, why
+
+
 def resolve_level(model: nn.Module, level: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
     """The concrete ``(level, dtype)`` that ``level`` means for ``model`` (``auto`` decides)."""
     if level != "auto":
         return level, dtype
-    if _model_device(model).type == "cuda":
-        return "O2", dtype
-    return _CPU_AUTO_LEVEL, torch.bfloat16
+    level, dtype, reason = choose_auto(_model_device(model))
+    _log.info("auto: level %s, %s: %s", level, dtype, reason)
+    return level, dtype
+
+
+def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int]) -> None:
+    """Refuse an ``eps`` that float16 optimizer state cannot hold (see the module)."""
+    floor = torch.finfo(torch.float16).tiny
+    for i, group in enumerate(optimizer.param_groups):
+        eps = group.get("eps")
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps >= floor:
+            continue
+        if any(id(p) in low for p in group["params"]):
+            raise ValueError(
+                f"optimizer param group {i} has eps={eps:g}, below float16's smallest normal "
+                f"number {floor:.3g}: O3 keeps {type(optimizer).__name__}'s state in float16, "
+                "where it rounds to ~0 and the first applied step makes the weights NaN/inf; "
+                "pass eps>=1e-4, use bfloat16, or O2 (float32 masters and optimizer state)"
+            )
 
 
 def _plan(
@@ -108,11 +170,14 @@ def _plan(
         root <- (param dtype of r0's regions, r0, f32)
         walk(module, region dtype r):
             child has a user policy: keep it, skip its subtree
-            r != low and child in white: child <- (p, low, r); walk(child, low)
-            r == low and child in black: child <- (f32, f32, r); walk(child, f32)
+            r != low and child in white: child <- (p, low, out(low, r)); walk(child, low)
+            (r == low or O1) and child in black: child <- (f32, f32, out(f32, r)); walk(child, f32)
             else: walk(child, r)
 
-    with ``p`` float32 in O1 (parameters cast on the fly) and ``low`` in O2/O3.
+    with ``p`` float32 in O1 (parameters cast on the fly) and ``low`` in O2/O3, and
+    ``out(own, r)`` the child's own dtype in O1 (as ``torch.autocast``: an allow-listed
+    op's output stays low for the next one, a deny-listed op casts up and returns
+    float32) and the region's ``r`` in O2/O3 (the model around the child keeps its dtype).
     """
     f32 = torch.float32
     white_param = f32 if level == "O1" else dtype
@@ -136,11 +201,13 @@ def _plan(
             if state is not None and state.policy is not None and state.user_policy:
                 continue
             if region != dtype and white and isinstance(child, white):
-                policy = Policy(param_dtype=white_param, compute_dtype=dtype, output_dtype=region)
+                out = dtype if level == "O1" else region
+                policy = Policy(param_dtype=white_param, compute_dtype=dtype, output_dtype=out)
                 plan.append((child, policy, False))
                 walk(child, dtype, seen)
-            elif region == dtype and black and isinstance(child, black):
-                plan.append((child, Policy(param_dtype=f32, output_dtype=region), False))
+            elif (region == dtype or level == "O1") and black and isinstance(child, black):
+                out = f32 if level == "O1" else region
+                plan.append((child, Policy(param_dtype=f32, output_dtype=out), False))
                 walk(child, f32, seen)
             else:
                 walk(child, region, seen)
@@ -209,18 +276,19 @@ def initialize(
             scale) or a :class:`mixprec.loss_scale.LossScale`.
         white_list, black_list: module types and torch functions replacing the
             defaults (:func:`get_white_list`, :func:`get_black_list`). O1 runs the
-            white list low and, inside it, the black list float32; O2/O3 run the
-            black list float32 and, inside it, the white list low.
+            white list low, keeping its outputs low, and the black list float32
+            wherever it is; O2/O3 run the black list's modules (and any function
+            passed in ``black_list``) float32 and, inside them, the white list low.
 
-    ``auto`` is O2 with ``dtype`` on a CUDA device (tensor cores, and O2 halves the
-    memory of weights and activations). On a CPU it is O1 in bfloat16: O1 keeps float32
-    parameters and float32 numerics everywhere but the matmuls, which are what a CPU's
-    bfloat16 units speed up, and needs no master-weight memory. Measured on an
-    AVX512-BF16 CPU, a transformer encoder's training step took 0.38-0.40 of float32's
-    time with O1 against 0.36-0.37 with O2 (``torch.autocast``: 0.35-0.36): O2's few
-    percent do not pay for its weaker numerics there. Float16 has no arithmetic units on
-    most CPUs and runs slower than float32, so ``auto`` uses bfloat16 on a CPU whatever
-    ``dtype`` says.
+    ``auto`` picks level and dtype by the hardware of the model's parameters, whatever
+    ``dtype`` says (:func:`choose_auto`; the choice and why go to the ``mixprec.amp``
+    logger). CUDA: O2 (tensor cores; O2 halves weight and activation memory). A CPU with
+    bfloat16 units: O1 in bfloat16, which keeps float32 parameters and numerics
+    everywhere but the matmuls the units speed up, and needs no master-weight memory.
+    Measured on an AVX512-BF16 CPU, a transformer encoder's training step took
+    0.38-0.40 of float32's time with O1 against 0.36-0.37 with O2 (``torch.autocast``:
+    0.35-0.36): O2's few percent do not pay for its weaker numerics there. O3 in
+    float16 with an ``eps`` below float16's range (Adam's 1e-8) is refused (module doc).
 
     Algorithm::
 
@@ -289,7 +357,9 @@ def initialize(
         black = tuple(get_black_list()) if black is None else black
     elif level in ("O2", "O3"):
         keep = keep_batchnorm_fp32 if keep_batchnorm_fp32 is not None else level == "O2"
-        black = (tuple(get_black_list()) if keep else ()) if black is None else black
+        # The default functions are O1's: at O2/O3 the whole model computes low by design.
+        default = tuple(item for item in get_black_list() if isinstance(item, type))
+        black = (default if keep else ()) if black is None else black
         white = () if white is None else white
     else:
         white = black = ()
@@ -304,13 +374,17 @@ def initialize(
                 "but the optimizer holds none of them (all are outside the model or in float32 "
                 "layers); build the optimizer from model.parameters()"
             )
+    if optimizer is not None and level == "O3" and dtype == torch.float16:
+        _check_optimizer_eps(optimizer, _low_params(model, plan))
 
     claim_tree(model)
     apply_policies(plan)
     root = get_state(model)
     root.level = level
     if white_functions or black_functions:
-        root.functions = FunctionLists(white_functions, black_functions, dtype)
+        root.functions = FunctionLists(
+            white_functions, black_functions, dtype, keep_outputs=level == "O1"
+        )
     if optimizer is None:
         return model, None
     return model, LossScaleOptimizer(optimizer, loss_scale=scaler, master_weights=level == "O2")

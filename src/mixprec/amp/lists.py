@@ -3,12 +3,17 @@
 The *white list* (allow list) holds what is numerically safe and fast in float16 /
 bfloat16: matrix products and convolutions, as module types and as functions. The
 *black list* (deny list) holds what must stay float32: normalisation layers, whose
-statistics lose too much in 8 or 11 bits of mantissa.
+statistics lose too much in 8 or 11 bits of mantissa, and the functions that
+``torch.autocast`` runs in float32 on CUDA (softmax, the norms, losses, exp/log/pow,
+sums and products), whose range or accumulation float16 cannot hold.
 
 ``amp.initialize`` uses them per level: O1 runs white-listed modules and functions
-low inside a float32 model; O2 runs black-listed modules in float32 inside a low
-model. Wherever both apply, the innermost listed module (or the function) decides,
-so a black-listed layer inside a white-listed block stays float32.
+low inside a float32 model and keeps their outputs low, so the next white-listed op
+takes them without a cast, while black-listed modules and functions cast their inputs
+up and return float32 (what ``torch.autocast`` does); O2 runs black-listed modules in
+float32 inside a low model (the default functions are O1's: O2 computes everything
+else low by design). Wherever both apply, the innermost listed module (or the
+function) decides, so a black-listed layer inside a white-listed block stays float32.
 
 Entries are ``nn.Module`` subclasses (matched with ``isinstance``) or torch
 functions that ``__torch_function__`` can intercept (``torch.matmul``,
@@ -102,14 +107,71 @@ _BLACK_MODULES: tuple[type[nn.Module], ...] = tuple(
 )
 
 
+# As torch.autocast's float32 list on CUDA, for the functions a model's forward calls.
+_BLACK_FUNCTIONS: tuple[Any, ...] = (
+    F.softmax,
+    F.log_softmax,
+    F.softmin,
+    F.layer_norm,
+    F.group_norm,
+    F.cosine_similarity,
+    F.softplus,
+    F.pdist,
+    torch.cdist,
+    torch.dist,
+    torch.norm,
+    torch.renorm,
+    torch.exp,
+    torch.expm1,
+    torch.log,
+    torch.log2,
+    torch.log10,
+    torch.log1p,
+    torch.pow,
+    torch.rsqrt,
+    torch.reciprocal,
+    torch.logsumexp,
+    torch.sum,
+    torch.prod,
+    torch.cumsum,
+    torch.cumprod,
+    torch.acos,
+    torch.asin,
+    torch.cosh,
+    torch.sinh,
+    torch.tan,
+    torch.erfinv,
+    F.cross_entropy,
+    F.nll_loss,
+    F.mse_loss,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+    F.kl_div,
+    F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits,
+    F.poisson_nll_loss,
+    F.gaussian_nll_loss,
+    F.cosine_embedding_loss,
+    F.hinge_embedding_loss,
+    F.margin_ranking_loss,
+    F.soft_margin_loss,
+    F.multi_margin_loss,
+    F.multilabel_margin_loss,
+    F.multilabel_soft_margin_loss,
+    F.triplet_margin_loss,
+)
+
+
 def get_white_list() -> list[Any]:
     """A copy of the default allow list: module types, then functions, run low in O1."""
     return [*_WHITE_MODULES, *_WHITE_FUNCTIONS]
 
 
 def get_black_list() -> list[Any]:
-    """A copy of the default deny list: normalisation module types, kept float32 in O2."""
-    return list(_BLACK_MODULES)
+    """A copy of the default deny list: normalisation module types (float32 at O1 and
+    O2), then the float32 functions (O1)."""
+    return [*_BLACK_MODULES, *_BLACK_FUNCTIONS]
 
 
 @functools.lru_cache(maxsize=1)
