@@ -16,7 +16,7 @@ from mixprec._moved import MOVED_MODULES, MOVED_NAMES
 
 SRC = pathlib.Path(mixprec.__file__).parent
 CORE = ["loss_scale", "numerics.py", "policy.py", "dtypes.py", "_checks.py", "optim", "amp",
-        "rewrite"]  # fmt: skip
+        "rewrite", "diagnostics"]  # fmt: skip
 SEED_WORDS = ("tensorflow", "keras", "mindspore", "manager", "sens")
 
 

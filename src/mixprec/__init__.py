@@ -19,6 +19,7 @@ See the README for a tour.
 
 from mixprec import amp, compat, optim, rewrite, tools, train
 from mixprec._moved import install_module_aliases, moved_name
+from mixprec.diagnostics import diagnose
 from mixprec.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -46,6 +47,7 @@ __all__ = [
     "TrainStep",
     "amp",
     "compat",
+    "diagnose",
     "global_policy",
     "joint_step",
     "loss_scale_from_spec",

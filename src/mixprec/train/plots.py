@@ -75,8 +75,17 @@ def plot_accuracy(accuracies: Mapping[str, Sequence[float]], path: str | Path) -
     _save(fig, path, {name: list(v) for name, v in accuracies.items()})
 
 
-def plot_loss_scale(scales: Sequence[float], skipped: Sequence[bool], path: str | Path) -> None:
-    """The loss scale after each step (log scale), skipped steps marked with red crosses."""
+def plot_loss_scale(
+    scales: Sequence[float],
+    skipped: Sequence[bool],
+    path: str | Path,
+    underflow: tuple[Sequence[int], Sequence[float]] | None = None,
+) -> None:
+    """The loss scale after each step (log scale), skipped steps marked with red crosses.
+
+    ``underflow``: ``(steps, fractions)`` of sampled gradient underflow (for example
+    ``PrecisionMonitor.underflow_series()``), drawn against a second axis on the right.
+    """
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = list(range(1, len(scales) + 1))
     ax.step(steps, scales, where="post", label="loss scale")
@@ -86,9 +95,20 @@ def plot_loss_scale(scales: Sequence[float], skipped: Sequence[bool], path: str 
     ax.set(xlabel="step", ylabel="loss scale", title="Loss scale (skipped steps marked)")
     if scales and min(scales) > 0:
         ax.set_yscale("log", base=2)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    data = {"scales": list(scales), "skipped_steps": marked}
+    if underflow is not None:
+        at, fractions = list(underflow[0]), [float(f) for f in underflow[1]]
+        right = ax.twinx()
+        right.plot(at, fractions, "o-", color="tab:orange", ms=3, lw=1, label="gradient underflow")
+        right.set_ylabel("fraction of gradient values underflowing")
+        right.set_ylim(bottom=0)
+        extra_handles, extra_labels = right.get_legend_handles_labels()
+        handles, labels = handles + extra_handles, labels + extra_labels
+        data.update(underflow_steps=at, underflow_fractions=fractions)
+    ax.legend(handles, labels)
     ax.grid(alpha=0.3)
-    _save(fig, path, {"scales": list(scales), "skipped_steps": marked})
+    _save(fig, path, data)
 
 
 def plot_comparison(rows: Sequence[Mapping], path: str | Path) -> None:
