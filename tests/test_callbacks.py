@@ -125,7 +125,7 @@ def test_loss_scale_monitor_quiet_mode_prints_nothing(capsys):
 def test_progress_bar_shows_loss_scale_throughput_and_metrics():
     out = io.StringIO()
     drive(
-        [ProgressBar(file=out, mininterval=0)],
+        [ProgressBar(file=out, mininterval=0, live=True)],
         [[0.5, 0.25]],
         scales=[[1024.0, 2048.0]],
         epoch_metrics=[{"loss": 0.375, "val_accuracy": 0.875}],

@@ -67,7 +67,8 @@ def test_outputs_and_plots_hold_the_data(tmp_path):
 
 
 def test_loss_scale_plot_marks_skipped_steps(tmp_path):
-    """float16 with a huge static scale overflows: every step is skipped and marked."""
+    """float16 with a huge static scale overflows: every step is skipped and marked.
+    (O2: O3 in float16 with AdamW's eps=1e-8 is refused, see test_divergence.py.)"""
     out = tmp_path / "run"
     assert (
         main(
@@ -78,7 +79,7 @@ def test_loss_scale_plot_marks_skipped_steps(tmp_path):
                 "--epochs",
                 "1",
                 "--level",
-                "O3",
+                "O2",
                 "--dtype",
                 "float16",
                 "--loss-scale",
@@ -135,8 +136,9 @@ def test_resume_gives_the_same_final_weights(tmp_path, monkeypatch):
     )
     with open(part / "metrics.csv") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == [1, 2, 3, 4]
-    # Resuming with another length of schedule is refused.
-    assert main(["train", "--out", str(part), "--resume", str(part), "--epochs", "9"]) == 2
+    # Resuming to fewer epochs than the run has done is refused (more extends it: see
+    # test_run_folders.py).
+    assert main(["train", "--out", str(part), "--resume", str(part), "--epochs", "3"]) == 2
 
 
 def test_user_data_files(tmp_path):

@@ -10,11 +10,19 @@ progress, and ends with the test accuracy. Into ``--out`` it writes ``config.jso
 ``mixprec compare`` trains the same model at several levels, each in a fresh process
 (so peak memory is that configuration's own), and prints one table.
 
-Bad input (a missing data file, an unknown level, an output folder that is a file...)
-is reported in one line on stderr with exit code 2, before anything is written.
+``mixprec diagnose`` runs a few batches through the same model in float32 and reports
+(:mod:`mixprec.cli.diagnose`) which layers a low-precision dtype would underflow or
+overflow, and the loss scale to use.
 
-The parts: :mod:`mixprec.cli.args` (the parser), :mod:`mixprec.cli.train` and
-:mod:`mixprec.cli.compare` (the two commands).
+Exit codes: 0 success; 2 bad input (a missing data file, an unknown level, an output
+folder that holds a run or cannot be written, an unsafe checkpoint...), reported in one
+line on stderr before anything is written; 3 the run diverged (the loss scale collapsed,
+the loss stayed NaN, a weight became non-finite), reported in one line on stderr after
+the metrics, plots and finished epochs' checkpoints were saved.
+
+The parts: :mod:`mixprec.cli.args` (the parser), :mod:`mixprec.cli.run_folder` (what a
+run folder holds and its rules), :mod:`mixprec.cli.train` and :mod:`mixprec.cli.compare`
+(the two commands).
 """
 
 from __future__ import annotations
@@ -23,10 +31,11 @@ import sys
 
 from mixprec.cli.args import UsageError, build_parser
 from mixprec.cli.compare import run_compare
-from mixprec.cli.train import run_train
+from mixprec.cli.diagnose import run_diagnose
+from mixprec.cli.train import DIVERGED, run_train
 from mixprec.train.data import DataError
 
-__all__ = ["main", "build_parser", "run_train", "run_compare"]
+__all__ = ["main", "build_parser", "run_train", "run_compare", "run_diagnose"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "train":
             run_train(args)
+        elif args.command == "diagnose":
+            run_diagnose(args)
         else:
             run_compare(args)
     except (UsageError, DataError) as err:
@@ -42,6 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (ValueError, TypeError, FileNotFoundError) as err:
         # Input the library rejected (it names the argument): still one line.
-        print(f"mixprec: error: {err}", file=sys.stderr)
+        print(f"mixprec: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except OSError as err:  # a folder or file that cannot be written (or read)
+        where = f" {err.filename}" if err.filename else ""
+        print(f"mixprec: error: cannot write{where}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    except DIVERGED as err:
+        print(f"mixprec: diverged: {_one_line(err)}", file=sys.stderr)
+        return 3
     return 0
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())

@@ -4,7 +4,12 @@
 the training options. A bad option is a :class:`UsageError`: one line on stderr and
 exit code 2, never a usage dump.
 
+Options left out parse to ``None``; :func:`fill_defaults` fills in :data:`DEFAULTS` and
+says which options were given (a resumed run refuses given options that contradict it).
+
 >>> args = build_parser().parse_args(["train", "--epochs", "3", "--loss-scale", "1024"])
+>>> sorted(fill_defaults(args))
+['epochs', 'loss_scale']
 >>> args.command, args.level, args.epochs, args.loss_scale
 ('train', 'O2', 3, '1024')
 >>> build_parser().parse_args(["train", "--epochs", "0"])
@@ -16,16 +21,39 @@ mixprec.cli.args.UsageError: argument --epochs: expected a positive int, got '0'
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any
 
+import torch
+
+import mixprec
 from mixprec.train.loop import AMP_LEVELS
 from mixprec.train.models import MODEL_NAMES
 
-__all__ = ["DEFAULTS", "UsageError", "build_parser"]
+__all__ = ["DEFAULTS", "UsageError", "build_parser", "fill_defaults"]
 
-#: Defaults of the training options (``--epochs`` is resolved late: ``--resume`` keeps its own).
-DEFAULTS = {"level": "O2", "model": "lenet5", "epochs": 15, "batch_size": 32, "lr": 1e-2, "seed": 0}
+#: Defaults of the training options, filled in after parsing (:func:`fill_defaults`), so
+#: that a resumed run can tell a given option from a default.
+DEFAULTS = {
+    "level": "O2",
+    "loss_scale": "dynamic",
+    "model": "lenet5",
+    "epochs": 15,
+    "batch_size": 32,
+    "lr": 1e-2,
+    "seed": 0,
+}
+
+
+def fill_defaults(args: argparse.Namespace) -> set[str]:
+    """Put :data:`DEFAULTS` into the options left out; return the names of those given."""
+    given = {k for k, v in vars(args).items() if v is not None and v is not False}
+    given.discard("command")
+    for key, value in DEFAULTS.items():
+        if getattr(args, key, None) is None and hasattr(args, key):
+            setattr(args, key, value)
+    return given
 
 
 class UsageError(Exception):
@@ -61,6 +89,8 @@ def _positive(kind: type) -> Any:
             ) from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite {kind.__name__}, got {text!r}")
         return value
 
     return parse
@@ -71,78 +101,153 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
         p.add_argument(
             "--level",
             choices=AMP_LEVELS,
-            default=DEFAULTS["level"],
+            default=None,
             help="amp level: O0 float32; O1 allow-list ops low; O2 all low but "
-            "normalisation, fp32 master weights; O3 all low; auto; rewrite = graph "
-            "rewrite (default: %(default)s)",
+            "normalisation, fp32 master weights; O3 all low; auto = by the hardware "
+            "(bfloat16 where it has bfloat16 units, float16 + loss scaling on older GPUs, "
+            f"else float32); rewrite = graph rewrite (default: {DEFAULTS['level']})",
         )
     p.add_argument(
         "--dtype",
         choices=("float16", "bfloat16"),
         default=None,
-        help="low-precision dtype (default: float16 on CUDA, bfloat16 on CPU)",
+        help="low-precision dtype (default: float16 on CUDA, bfloat16 on CPU; "
+        "--level auto picks its own)",
     )
     p.add_argument(
         "--loss-scale",
         type=_loss_scale_arg,
-        default="dynamic",
-        help="'dynamic', 'none' or a fixed number (default: %(default)s)",
+        default=None,
+        help=f"'dynamic', 'none' or a fixed number (default: {DEFAULTS['loss_scale']})",
     )
     p.add_argument(
         "--model",
         choices=MODEL_NAMES,
-        default=DEFAULTS["model"],
-        help="network to train (default: %(default)s)",
+        default=None,
+        help=f"network to train (default: {DEFAULTS['model']})",
     )
     p.add_argument(
         "--data",
         type=Path,
         default=None,
-        help=".npz (arrays x, y) or .csv (last column = label) file; "
+        help=".npz (arrays x, y) or .csv (last column = label) file, labels 0..C-1; "
         "default: the embedded 8x8 digits",
     )
     p.add_argument(
         "--epochs",
         type=_positive(int),
         default=None,
-        help=f"epochs in total (default: {DEFAULTS['epochs']}; with --resume, the run's own)",
+        help=f"epochs in total (default: {DEFAULTS['epochs']}; with --resume, the run's "
+        "own, and a larger N extends the run to N epochs)",
     )
     p.add_argument(
         "--batch-size",
         type=_positive(int),
-        default=DEFAULTS["batch_size"],
-        help="batch size (default: %(default)s)",
+        default=None,
+        help=f"batch size (default: {DEFAULTS['batch_size']})",
     )
     p.add_argument(
         "--lr",
         type=_positive(float),
-        default=DEFAULTS["lr"],
-        help="peak AdamW learning rate of the one-cycle schedule (default: %(default)s)",
+        default=None,
+        help="peak AdamW learning rate of the one-cycle schedule, positive and finite "
+        f"(default: {DEFAULTS['lr']})",
     )
     p.add_argument(
         "--seed",
         type=int,
-        default=DEFAULTS["seed"],
-        help="seed for initialisation, data split and shuffling (default: %(default)s)",
+        default=None,
+        help=f"seed for initialisation, data split and shuffling (default: {DEFAULTS['seed']})",
     )
     p.add_argument(
-        "--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)"
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda if available; with --resume, the run's own)",
     )
     p.add_argument(
         "--threads",
         type=_positive(int),
         default=None,
-        help="CPU threads for PyTorch (default: PyTorch's choice); 1 is fastest for "
-        "small models on a busy machine",
+        help="CPU threads for PyTorch (default: PyTorch's choice; with --resume, the run's "
+        "own); 1 is fastest for small models on a busy machine",
     )
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress (otherwise a live bar on a terminal, one line per epoch elsewhere)",
+    )
+
+
+def _add_diagnose_command(sub: Any) -> None:
+    diagnose = sub.add_parser(
+        "diagnose",
+        help="report which layers underflow or overflow a dtype, and the loss scale to use",
+        description="Run a few batches through the model in float32 and report what a "
+        "low-precision dtype would do to each layer.",
+    )
+    diagnose.add_argument(
+        "--model",
+        choices=MODEL_NAMES,
+        default=DEFAULTS["model"],
+        help="network to diagnose (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help=".npz or .csv file as for train; default: the embedded digits",
+    )
+    diagnose.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16"),
+        default="float16",
+        help="the dtype to assess (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--batches",
+        type=_positive(int),
+        default=8,
+        help="training batches to run (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--batch-size",
+        type=_positive(int),
+        default=DEFAULTS["batch_size"],
+        help="batch size (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--tolerance",
+        type=_positive(float),
+        default=0.01,
+        help="fraction of a tensor allowed to underflow (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULTS["seed"],
+        help="seed for initialisation and data split (default: %(default)s)",
+    )
+    diagnose.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    diagnose.add_argument("--threads", type=_positive(int), default=None, help="CPU threads")
+    diagnose.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/diagnose"),
+        help="output folder (default: %(default)s)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``mixprec`` parser, with its ``train`` and ``compare`` sub-commands."""
     parser = _Parser(prog="mixprec", description="Mixed-precision training for PyTorch.")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"mixprec {mixprec.__version__} (torch {torch.__version__})",
+        help="print mixprec's version and exit",
+    )
     sub = parser.add_subparsers(
-        dest="command", required=True, parser_class=_Parser, metavar="{train,compare}"
+        dest="command", required=True, parser_class=_Parser, metavar="{train,compare,diagnose}"
     )
     train = sub.add_parser(
         "train",
@@ -151,14 +256,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_training_options(train)
     train.add_argument(
-        "--out", type=Path, default=Path("runs/train"), help="output folder (default: %(default)s)"
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: runs/train); a folder that already holds a run is "
+        "refused unless --overwrite",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in --out: its files are deleted before the new run writes",
     )
     train.add_argument(
         "--resume",
         type=Path,
         default=None,
-        help="a previous run's output folder: continue from its last checkpoint "
-        "with its settings (up to --epochs in total)",
+        help="a previous run's folder: continue it there, with its settings, from its "
+        "newest readable checkpoint (--epochs N extends it to N epochs in total)",
     )
     compare = sub.add_parser(
         "compare",
@@ -177,4 +291,5 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("runs/compare"),
         help="output folder (default: %(default)s)",
     )
+    _add_diagnose_command(sub)
     return parser

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mixprec.cli.args import DEFAULTS, UsageError
+from mixprec.cli.args import UsageError, fill_defaults
 from mixprec.cli.train import build_run, check_out_dir, load_data
 from mixprec.tools.memory import peak_rss_mib, reset_peak_rss
 from mixprec.train.callbacks import History
@@ -46,7 +46,9 @@ def _compare_one(args: argparse.Namespace, level: str) -> dict[str, Any]:
     else:
         peak_mb = peak_rss_mib()
     return {
-        "config": level if level == "O0" else f"{level} {str(model.dtype).replace('torch.', '')}",
+        "config": model.amp_level
+        if model.amp_level == "O0"
+        else f"{model.amp_level} {str(model.dtype).replace('torch.', '')}",
         "accuracy": final["accuracy"],
         "loss": final["loss"],
         "step_ms": 1000 * statistics.median(step_times[len(step_times) // 5 :] or step_times),
@@ -57,7 +59,7 @@ def _compare_one(args: argparse.Namespace, level: str) -> dict[str, Any]:
 
 def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train each of ``--levels`` in its own process; print, save and plot the table."""
-    args.epochs = DEFAULTS["epochs"] if args.epochs is None else args.epochs
+    fill_defaults(args)
     levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
     bad = [lv for lv in levels if lv not in AMP_LEVELS]
     if bad or not levels:

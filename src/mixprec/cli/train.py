@@ -4,29 +4,63 @@
 and its learning-rate schedule (``mixprec compare`` builds each level the same way).
 :func:`run_train` trains, then writes into ``--out``: ``config.json``, ``metrics.json``,
 ``metrics.csv``, ``loss.png``, ``accuracy.png``, ``loss_scale.png`` and per-epoch
-checkpoints, from which ``--resume`` continues exactly. Every input error surfaces
-before anything is written.
+checkpoints, from which ``--resume`` continues exactly (the folder rules are in
+:mod:`mixprec.cli.run_folder`). Every input error surfaces before anything is written.
+
+A run that diverges (the loss scale collapses, the loss stays NaN, a weight becomes
+non-finite) still writes its metrics and plots up to that point, keeps the checkpoints
+of the epochs it finished, and then raises; the command exits with code 3.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mixprec.cli.args import DEFAULTS, UsageError
-from mixprec.loss_scale import LossScale, loss_scale_from_spec
-from mixprec.train.callbacks import CSVLogger, History, LRScheduler, ModelCheckpoint, ProgressBar
+from mixprec.amp.levels import choose_auto, cpu_has_fast
+from mixprec.cli.args import UsageError, fill_defaults
+from mixprec.cli.run_folder import (
+    KEEP_LAST,
+    RUN_FORMAT,
+    check_new_out,
+    pick_checkpoint,
+    prepare_out,
+    resume_settings,
+)
+from mixprec.loss_scale import LossScale, ScaleCollapseError, loss_scale_from_spec
+from mixprec.train.callbacks import (
+    Callback,
+    CSVLogger,
+    History,
+    LRScheduler,
+    ModelCheckpoint,
+    ProgressBar,
+)
 from mixprec.train.data import infer_num_classes, load_csv, load_npz, train_test_loaders
+from mixprec.train.distributed import (
+    DistributedModel,
+    for_this_rank,
+    is_distributed,
+    is_main_process,
+    process_group_from_env,
+    run_on_main,
+    shard_loader,
+)
+from mixprec.train.divergence import DivergenceError
 from mixprec.train.loop import Model, resolve_device
 from mixprec.train.models import build_model
 from mixprec.train.plots import plot_accuracy, plot_loss, plot_loss_scale
 
-__all__ = ["run_train", "build_run", "check_out_dir", "load_data"]
+__all__ = ["run_train", "build_run", "check_out_dir", "load_data", "DIVERGED"]
+
+#: What ``Model.train`` raises when a run diverges; the command exits with code 3.
+DIVERGED = (ScaleCollapseError, DivergenceError)
 
 
 # -- inputs ------------------------------------------------------------------------------
@@ -69,6 +103,7 @@ def build_run(args: argparse.Namespace, level: str):
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     train, test, classes, shape = load_data(args)
+    train = shard_loader(train, args.seed)  # under torchrun: this rank's share
     torch.manual_seed(args.seed)
     network = build_model(args.model, classes, shape)
     optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr)
@@ -76,13 +111,14 @@ def build_run(args: argparse.Namespace, level: str):
     schedule = LRScheduler(
         torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=steps)
     )
-    model = Model(
+    concrete = choose_auto(device)[0] if level == "auto" else level
+    model = (DistributedModel if is_distributed() else Model)(
         network,
         torch.nn.CrossEntropyLoss(),
         optimizer,
         metrics=["accuracy", "loss"],
         amp_level=level,
-        loss_scale=None if level == "O0" else _loss_scale(args.loss_scale),
+        loss_scale=None if concrete == "O0" else _loss_scale(args.loss_scale),
         dtype=args.dtype,
         device=device,
     )
@@ -92,69 +128,82 @@ def build_run(args: argparse.Namespace, level: str):
 # -- mixprec train -----------------------------------------------------------------------
 
 
-def _resume_args(args: argparse.Namespace) -> tuple[argparse.Namespace, Path]:
-    run = args.resume
-    config_path = run / "config.json"
-    checkpoints = sorted((run / "checkpoints").glob("epoch*.pt")) if run.is_dir() else []
-    if not config_path.is_file() or not checkpoints:
-        raise UsageError(f"--resume {run}: not a mixprec run folder with checkpoints")
-    saved = json.loads(config_path.read_text())
-    if args.epochs is not None and args.epochs != saved["epochs"]:
-        raise UsageError(
-            f"--epochs {args.epochs} differs from the resumed run's {saved['epochs']}: its "
-            "learning-rate schedule is laid out over those epochs; leave --epochs out"
-        )
-    for key in ("level", "dtype", "loss_scale", "model", "batch_size", "lr", "seed", "epochs"):
-        setattr(args, key, saved[key])
-    args.data = None if saved["data"] is None else Path(saved["data"])
-    return args, checkpoints[-1]
-
-
-def run_train(args: argparse.Namespace) -> dict[str, Any]:
-    """Train one configuration; write metrics, plots and checkpoints; return the summary."""
-    checkpoint = None
-    if args.resume is not None:
-        args, checkpoint = _resume_args(args)
-    elif args.epochs is None:
-        args.epochs = DEFAULTS["epochs"]
-    check_out_dir(args.out)
-    # Every input error surfaces here, before anything is written.
-    model, train, test, schedule = build_run(args, args.level)
-    out = args.out
-    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-    config = {
-        k: (str(v) if isinstance(v, Path) else v)
-        for k, v in vars(args).items()
-        if k not in ("command", "out", "resume", "quiet", "levels")
-    }
-    config["dtype"] = args.dtype
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    print(
-        f"mixprec train: {args.model} on {'digits' if args.data is None else args.data}, "
-        f"level {args.level}, {model.dtype if args.level != 'O0' else torch.float32}, "
-        f"loss scale {args.loss_scale}, {model.device}"
+def _relayout(schedule: LRScheduler, optimizer: Any, lr: float, total_steps: int) -> None:
+    """Lay the one-cycle schedule out over ``total_steps`` and go on from the step the
+    loaded state reached (a run extended with ``--resume --epochs N``)."""
+    saved = schedule.scheduler.state_dict()
+    if saved["total_steps"] == total_steps:
+        return
+    fresh = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=total_steps)
+    layout = fresh.state_dict()
+    fresh.load_state_dict(
+        {**saved, "total_steps": total_steps, "_schedule_phases": layout["_schedule_phases"]}
     )
-    history = History()
-    callbacks = [
-        history,
-        schedule,
-        ProgressBar(disable=args.quiet),
-        CSVLogger(out / "metrics.csv", append=checkpoint is not None),
-        ModelCheckpoint(out / "checkpoints", keep_last=2),
-    ]
-    t0 = time.perf_counter()
-    model.train(args.epochs, train, callbacks=callbacks, resume=checkpoint, eval_dataset=test)
-    seconds = time.perf_counter() - t0
-    final = model.eval(test)
+    fresh.last_epoch -= 1
+    fresh.step()  # the learning rate and momentum of this step on the new layout
+    schedule.scheduler = fresh
+
+
+class _RunStart(Callback):
+    """Writes ``config.json`` once training begins: after a resumed checkpoint loaded."""
+
+    def __init__(self, out: Path, config: dict[str, Any], relayout: Any) -> None:
+        self.out, self.config, self.relayout = out, config, relayout
+
+    def on_train_begin(self, state: Any) -> None:
+        self.relayout()
+        if is_main_process():  # under torchrun, rank 0 alone writes
+            (self.out / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(self.config, indent=2))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # as --dtype spells it
+
+
+def _hardware_notes(model: Model) -> list[str]:
+    notes = []
+    if model.auto_reason is not None:
+        low = "float32" if model.amp_level == "O0" else _name(model.dtype)
+        notes.append(f"auto: level {model.amp_level}, {low}: {model.auto_reason}")
+    if model.device.type == "cpu" and model.amp_level != "O0" and not cpu_has_fast(model.dtype):
+        name = _name(model.dtype)
+        notes.append(
+            f"note: this CPU has no {name} units, so {name} is emulated here and runs far "
+            "slower than float32 (--level auto picks float32 on such a CPU)"
+        )
+    return notes
+
+
+def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
+    return {
+        "format": RUN_FORMAT,
+        "level": getattr(args, "requested_level", args.level),
+        "amp_level": model.amp_level,
+        "dtype": _name(model.dtype),
+        "loss_scale": args.loss_scale,
+        "model": args.model,
+        "data": None if args.data is None else str(args.data),
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "device": args.device,
+        "threads": args.threads,
+    }
+
+
+def _write_results(out: Path, config, model, history, seconds, final, diverged=None) -> dict:
     opt = model.optimizer
     summary = {
-        "test_accuracy": final["accuracy"],
-        "test_loss": final["loss"],
-        "epochs": history.epochs[-1] if history.epochs else args.epochs,
+        "test_accuracy": None if final is None else final["accuracy"],
+        "test_loss": None if final is None else final["loss"],
+        "epochs": history.epochs[-1] if history.epochs else 0,
         "steps": len(history.losses),
         "skipped_steps": int(opt.skipped_steps),
         "final_loss_scale": float(opt.loss_scale),
         "train_seconds": seconds,
+        "diverged": diverged,
         "history": {
             "loss": history.losses,
             "loss_scale": history.loss_scales,
@@ -162,9 +211,10 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
             "epochs": history.metrics,
         },
     }
+    if not is_main_process():  # under torchrun, rank 0 alone writes
+        return summary
     (out / "metrics.json").write_text(json.dumps({"config": config, **summary}, indent=2))
-    epoch_loss = history.metrics.get("loss", [])
-    plot_loss(history.losses, out / "loss.png", epoch_losses=epoch_loss)
+    plot_loss(history.losses, out / "loss.png", epoch_losses=history.metrics.get("loss", []))
     plot_accuracy(
         {
             "train": history.metrics.get("accuracy", []),
@@ -173,6 +223,73 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         out / "accuracy.png",
     )
     plot_loss_scale(history.loss_scales, history.skipped, out / "loss_scale.png")
+    return summary
+
+
+@process_group_from_env  # data parallel under torchrun (mixprec.train.distributed)
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train one configuration; write metrics, plots and checkpoints; return the summary.
+
+    Raises :class:`UsageError` (and writes nothing) for bad input, and one of
+    :data:`DIVERGED` after writing what it has when the run diverges.
+    """
+    given = fill_defaults(args)
+    checkpoint = None
+    if args.resume is not None:
+        args = resume_settings(args, given)
+        checkpoint, done, warning = pick_checkpoint(args.resume, resolve_device(args.device))
+        if args.epochs < done:
+            raise UsageError(
+                f"--epochs {args.epochs}: the run in {args.resume} has already done {done} "
+                f"epochs; pass --epochs {done} or more"
+            )
+    else:
+        args.out = Path("runs/train") if args.out is None else args.out
+        check_new_out(args.out, args.overwrite)
+        if args.level == "auto" and "dtype" in given:
+            raise UsageError(
+                f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by the "
+                "hardware; leave --dtype out, or name a level"
+            )
+        args.data = None if args.data is None else args.data.resolve()  # resumable anywhere
+    # Every input error surfaces here, before anything is written.
+    model, train, test, schedule = build_run(args, args.level)
+    out = args.out
+    if checkpoint is None:
+        run_on_main(prepare_out, out, args.overwrite)
+    else:
+        print(f"mixprec train: resuming {out} from {checkpoint.name} (epoch {done})")
+        if warning is not None:
+            print(f"mixprec: warning: {warning}", file=sys.stderr)
+    config = _config(args, model)
+    lowp = "float32" if model.amp_level == "O0" else _name(model.dtype)
+    print(
+        f"mixprec train: {args.model} on {'digits' if args.data is None else args.data}, "
+        f"level {model.amp_level}, {lowp}, loss scale {args.loss_scale}, {model.device}"
+    )
+    for note in _hardware_notes(model):
+        print(note)
+    history = History()
+    total_steps = args.epochs * len(train)
+    callbacks = [
+        _RunStart(out, config, lambda: _relayout(schedule, model.optimizer, args.lr, total_steps)),
+        history,
+        schedule,
+        ProgressBar(disable=args.quiet),
+        CSVLogger(out / "metrics.csv", append=checkpoint is not None),
+        ModelCheckpoint(out / "checkpoints", keep_last=KEEP_LAST),
+    ]
+    callbacks = for_this_rank(callbacks, args.seed)  # under torchrun: rank 0 alone writes
+    t0 = time.perf_counter()
+    try:
+        model.train(args.epochs, train, callbacks=callbacks, resume=checkpoint, eval_dataset=test)
+    except DIVERGED as err:
+        _write_results(out, config, model, history, time.perf_counter() - t0, None, str(err))
+        print(f"wrote metrics.json, loss.png, accuracy.png, loss_scale.png to {out} (diverged)")
+        raise
+    seconds = time.perf_counter() - t0
+    final = model.eval(test)
+    summary = _write_results(out, config, model, history, seconds, final)
     print(
         f"test accuracy: {final['accuracy']:.4f}  test loss: {final['loss']:.4f}  "
         f"skipped steps: {summary['skipped_steps']}/{summary['steps']}  "

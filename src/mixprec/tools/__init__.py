@@ -2,6 +2,7 @@
 
 * :class:`~mixprec.tools.syncs.HostSyncCounter` - counts device-to-host syncs in a block.
 * :mod:`mixprec.tools.memory` - this process's current and peak resident memory.
+* :mod:`mixprec.tools.spawn` - run a function on several local ranks (gloo, bounded in time).
 """
 
 from mixprec.tools.memory import peak_rss_mib, reset_peak_rss

@@ -35,11 +35,13 @@ from typing import Any
 import torch
 
 from mixprec._checks import check_bool, check_choice, check_instance, check_number
+from mixprec.amp.levels import choose_auto
 from mixprec.dtypes import as_low_precision
 from mixprec.loss_scale import DynamicLossScale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
 from mixprec.train import checkpoint
 from mixprec.train.callbacks import Callback, CallbackList, History, RunState
+from mixprec.train.divergence import DivergenceGuard, resolve_guard
 from mixprec.train.metrics import build_metric
 
 __all__ = ["Model", "AMP_LEVELS", "resolve_dtype", "resolve_device", "default_low_precision_dtype"]
@@ -114,14 +116,20 @@ class Model:
             level), or a ``LossScaleOptimizer``; ``None`` for evaluation only.
         metrics: dict ``name -> metric``, or a list of names (``"accuracy"``, ``"loss"``,
             ``"top5"``) or metric objects; default accuracy and loss.
-        amp_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"auto"`` (see ``mixprec.amp``), or
-            ``"rewrite"`` (the graph rewrite, built at the first batch).
+        amp_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"auto"``, or ``"rewrite"`` (the
+            graph rewrite, built at the first batch). ``"auto"`` is decided here, by the
+            device (:func:`mixprec.amp.levels.choose_auto`): ``amp_level`` (and ``dtype``,
+            unless it is O0) then hold what it picked, and ``auto_reason`` says why.
         loss_scale: how the loss is scaled before backward: ``None`` for the level's
             default, ``"dynamic"`` (grow the scale while gradients stay finite, shrink it on
             overflow), a positive number for a static scale, or a
             :class:`~mixprec.loss_scale.LossScale` object.
         skip_nonfinite: ``True`` (default) skips an optimizer step whose gradients hold an
             inf or NaN; ``False`` applies every step, overflowing or not.
+        divergence: a :class:`~mixprec.train.divergence.DivergenceGuard` that makes
+            ``train`` raise ``DivergenceError`` when the loss stays NaN/inf or a weight
+            becomes non-finite; ``True`` its defaults, ``False`` none; ``None`` (default)
+            its defaults unless ``skip_nonfinite=False`` applies non-finite steps on purpose.
         dtype: the low-precision dtype (default: float16 on CUDA, bfloat16 on CPU).
         device: default CUDA if available, else CPU.
     """
@@ -138,9 +146,15 @@ class Model:
         device: Any = None,
         *,
         skip_nonfinite: bool = True,
+        divergence: DivergenceGuard | bool | None = None,
     ) -> None:
         check_instance("network", network, torch.nn.Module, "a torch.nn.Module")
         check_choice("amp_level", amp_level, AMP_LEVELS)
+        if amp_level == "auto" and dtype is not None:
+            raise ValueError(
+                f"dtype={dtype!r} with amp_level='auto': auto picks the dtype by the hardware; "
+                "leave dtype out, or name a level (e.g. 'O2') to choose the dtype yourself"
+            )
         if optimizer is not None:
             check_instance(
                 "optimizer",
@@ -154,7 +168,12 @@ class Model:
         self._skip_nonfinite = check_bool("skip_nonfinite", skip_nonfinite)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.auto_reason: str | None = None
+        if amp_level == "auto":
+            amp_level, low, self.auto_reason = choose_auto(self.device)
+            self.dtype = low if low != torch.float32 else self.dtype  # O0 ignores dtype
         self.amp_level = amp_level
+        self.divergence = resolve_guard(divergence, self._skip_nonfinite)
         self.loss_fn = loss_fn if loss_fn is not None else torch.nn.CrossEntropyLoss()
         self.metrics = _build_metrics(metrics)
         self._loss_scale = None if loss_scale is None else loss_scale_from_spec(loss_scale)
@@ -247,9 +266,13 @@ class Model:
         ``History`` is always kept and returned. ``resume`` names a checkpoint written by
         ``ModelCheckpoint``/:meth:`save_checkpoint`: model, optimizer (with loss-scale state,
         master weights, EMA), counters, callbacks and random-number state are restored, so
-        the run continues exactly as if it had not stopped. With ``eval_dataset``, each
+        the run continues exactly as if it had not stopped (the checkpoint is read with
+        ``torch.load(weights_only=True)``: a file that would run code is refused with
+        ``UnsafeCheckpointError``, and nothing is changed). With ``eval_dataset``, each
         epoch's metrics include ``val_<name>``. One host sync per step reads the loss and
-        the skip flag for the callbacks.
+        the skip flag for the callbacks; the divergence guard adds none per step (see
+        :mod:`mixprec.train.divergence`) and raises ``DivergenceError``; a collapsed dynamic
+        loss scale raises ``ScaleCollapseError``.
         """
         check_number("epochs", epochs, integer=True, minimum=1, hint="pass e.g. epochs=10")
         self._prepare(train_dataset)
@@ -271,6 +294,8 @@ class Model:
         )
         if resume is not None:
             self._load_checkpoint(resume, state, cbs)
+        guard = self.divergence
+        guard.reset()
         cbs.on_train_begin(state)
         for epoch in range(state.epoch + 1, epochs + 1):
             state.epoch, state.step_in_epoch = epoch, 0
@@ -292,9 +317,13 @@ class Model:
                 state.skipped_steps = int(self.optimizer.skipped_steps)
                 state.samples_per_s = x.shape[0] / max(time.perf_counter() - t0, 1e-9)
                 cbs.on_step_end(state)
+                if state.skipped:  # a fused step skips on the device: surface a collapse here
+                    self.optimizer.loss_scaler.raise_if_collapsed()
+                guard.after_step(state, self.network, self.optimizer)
             state.metrics = {name: m.compute() for name, m in self.metrics.items()}
             if eval_dataset is not None:
                 state.metrics.update({f"val_{k}": v for k, v in self.eval(eval_dataset).items()})
+            guard.check_weights(state, self.network, self.optimizer)  # before any checkpoint
             cbs.on_epoch_end(state)
             if state.stop_training:
                 break

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -120,9 +122,11 @@ class ModelCheckpoint(Callback):
     (model, optimizer with master weights, loss-scale state). It calls
     ``save_fn(path, state)`` if given, else ``state.save_checkpoint(path)``, which
     the trainer sets. Files are named ``filename.format(epoch=..., step=...)``
-    inside ``directory``. ``keep_last=k`` deletes this callback's older files beyond
-    the newest ``k``. ``save_on_train_end`` also saves the final epoch when the
-    schedule skipped it (e.g. after early stopping).
+    inside ``directory``. ``keep_last=k`` keeps the newest ``k`` of this callback's
+    files after each save and deletes every older one, including those an earlier,
+    interrupted run left in ``directory`` (its files are those named by ``filename``;
+    :meth:`existing` lists them). ``save_on_train_end`` also saves the final epoch when
+    the schedule skipped it (e.g. after early stopping).
 
     >>> import tempfile
     >>> saved = []
@@ -188,6 +192,36 @@ class ModelCheckpoint(Callback):
         """The most recent checkpoint this callback wrote, or ``None``."""
         return self.saved[-1] if self.saved else None
 
+    def _pattern(self) -> re.Pattern[str]:
+        parts, seen = [], set()
+        for literal, field, _, _ in string.Formatter().parse(self.filename):
+            parts.append(re.escape(literal))
+            if field is not None:
+                parts.append(r"\d+" if field in seen else rf"(?P<{field}>\d+)")
+                seen.add(field)
+        return re.compile("".join(parts))
+
+    def _order(self, path: Path) -> tuple[int, int]:
+        match = self._pattern().fullmatch(path.name)
+        found = match.groupdict() if match else {}
+        return int(found.get("epoch") or 0), int(found.get("step") or 0)
+
+    def existing(self) -> list[Path]:
+        """This callback's files now in ``directory``, oldest first (by epoch, then step).
+
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> for name in ("epoch0010.pt", "epoch0002.pt", "notes.txt", "epoch0003.pt.tmp"):
+        ...     _ = (folder / name).write_text("")
+        >>> [p.name for p in ModelCheckpoint(folder).existing()]
+        ['epoch0002.pt', 'epoch0010.pt']
+        """
+        if not self.directory.is_dir():
+            return []
+        pattern = self._pattern()
+        mine = [p for p in self.directory.iterdir() if pattern.fullmatch(p.name) and p.is_file()]
+        return sorted(mine, key=lambda p: (self._order(p), p.name))
+
     def _save(self, state: RunState) -> None:
         path = self.directory / self.filename.format(epoch=state.epoch, step=state.step)
         if self.save_fn is None and state.save_checkpoint is None:
@@ -205,8 +239,12 @@ class ModelCheckpoint(Callback):
             self.saved.remove(path)
         self.saved.append(path)
         if self.keep_last is not None:
-            while len(self.saved) > self.keep_last:
-                self.saved.pop(0).unlink(missing_ok=True)
+            # Files newer than this one belong to an abandoned timeline (a resume from an
+            # older checkpoint) and are overwritten when the run gets there: leave them.
+            older = [p for p in self.existing() if self._order(p) <= self._order(path)]
+            for stale in older[: -self.keep_last]:
+                stale.unlink(missing_ok=True)
+            self.saved = [p for p in self.saved if p.exists()]
 
     def on_epoch_end(self, state: RunState) -> None:
         """Save when the epoch number is a multiple of ``every_n_epochs``."""

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import IO, Any
 
 from tqdm.auto import tqdm
 
-from mixprec._checks import check_number
+from mixprec._checks import check_bool, check_number
 from mixprec.train.callbacks.base import Callback, RunState, _emit, format_loss
 
 __all__ = ["LossMonitor", "LossScaleMonitor", "ProgressBar"]
@@ -108,32 +109,56 @@ class LossScaleMonitor(Callback):
 
 
 class ProgressBar(Callback):
-    """Show tqdm bars for epochs and for steps, with loss, scale and throughput.
+    """Show progress: live tqdm bars on a terminal, one line per epoch elsewhere.
 
-    The step bar's postfix shows the last loss, the loss scale, the total of skipped
-    steps and samples per second; the epoch bar's shows the epoch metrics. Bars go
-    to ``file`` (default: standard error); ``disable=True`` hides them.
+    Live (``live=True``, or by default when the output is a terminal): an epoch bar and
+    a step bar whose postfix shows the last loss, the loss scale, the total of skipped
+    steps and samples per second; the epoch bar shows the epoch metrics. Bars go to
+    ``file`` (default: standard error). Not live (output redirected to a file or a
+    pipe, where redrawn bars would pile up as hundreds of lines): one line per epoch,
+    to ``file`` (default: standard output)::
+
+        epoch 3/15  loss 0.1234  accuracy 0.9712  scale 32768  skipped 0  (0.3 s)
+
+    ``disable=True`` shows nothing.
 
     >>> import io
     >>> out = io.StringIO()
-    >>> bar = ProgressBar(file=out, mininterval=0)
-    >>> s = RunState(epochs=1, steps_per_epoch=1)
+    >>> bar = ProgressBar(file=out)
+    >>> s = RunState(epochs=2, steps_per_epoch=1)
     >>> bar.on_train_begin(s); s.epoch = 1; bar.on_epoch_begin(s)
     >>> s.step = s.step_in_epoch = 1; s.loss = 0.5; s.loss_scale = 1024.0
-    >>> bar.on_step_end(s); s.metrics = {"accuracy": 0.75}
+    >>> bar.on_step_end(s); s.metrics = {"loss": 0.5, "accuracy": 0.75}
     >>> bar.on_epoch_end(s); bar.on_train_end(s)
-    >>> "scale=1024" in out.getvalue(), "accuracy=0.75" in out.getvalue()
-    (True, True)
+    >>> print(out.getvalue().replace(bar.last_seconds, "T"), end="")
+    epoch 1/2  loss 0.5  accuracy 0.75  scale 1024  skipped 0  (T s)
     """
 
     def __init__(
-        self, file: IO[str] | None = None, disable: bool = False, mininterval: float = 0.1
+        self,
+        file: IO[str] | None = None,
+        disable: bool = False,
+        mininterval: float = 0.1,
+        live: bool | None = None,
     ) -> None:
         self.file = file
         self.disable = disable
         self.mininterval = mininterval
+        if live is not None:
+            check_bool("live", live, hint="or None to decide by whether the output is a terminal")
+        self.live = live
+        self.last_seconds = ""
         self._epoch_bar: tqdm | None = None
         self._step_bar: tqdm | None = None
+        self._lines = False
+        self._epoch_start = 0.0
+
+    def _is_live(self) -> bool:
+        if self.live is not None:
+            return self.live
+        stream = self.file if self.file is not None else sys.stderr
+        isatty = getattr(stream, "isatty", None)
+        return bool(isatty and isatty())
 
     def _bar(self, **kwargs: Any) -> tqdm:
         return tqdm(
@@ -145,13 +170,19 @@ class ProgressBar(Callback):
         )
 
     def on_train_begin(self, state: RunState) -> None:
-        """Open the epoch bar, starting at the epochs already done."""
+        """Open the epoch bar (live), starting at the epochs already done."""
+        self._lines = not self.disable and not self._is_live()
+        if self._lines:
+            return
         self._epoch_bar = self._bar(
             total=state.epochs, initial=state.epoch, desc="training", unit="epoch"
         )
 
     def on_epoch_begin(self, state: RunState) -> None:
-        """Open this epoch's step bar."""
+        """Open this epoch's step bar (live), or start its clock."""
+        self._epoch_start = time.perf_counter()
+        if self._lines or self._epoch_bar is None:
+            return
         self._step_bar = self._bar(
             total=state.steps_per_epoch, desc=f"epoch {state.epoch}", unit="step", leave=False
         )
@@ -171,7 +202,18 @@ class ProgressBar(Callback):
         self._step_bar.update(1)
 
     def on_epoch_end(self, state: RunState) -> None:
-        """Close the step bar and show the epoch metrics on the epoch bar."""
+        """Close the step bar and show the epoch metrics (on the epoch bar, or as a line)."""
+        if self._lines:
+            self.last_seconds = f"{time.perf_counter() - self._epoch_start:.1f}"
+            total = f"/{state.epochs}" if state.epochs else ""
+            metrics = "".join(f"  {k} {v:.4g}" for k, v in state.metrics.items())
+            print(
+                f"epoch {state.epoch}{total}{metrics}  scale {state.loss_scale:g}  "
+                f"skipped {state.skipped_steps}  ({self.last_seconds} s)",
+                file=self.file if self.file is not None else sys.stdout,
+                flush=True,
+            )
+            return
         if self._step_bar is not None:
             self._step_bar.close()
             self._step_bar = None

@@ -62,6 +62,24 @@ def _labels_from_onehot(y: np.ndarray, source: str) -> np.ndarray:
     return y.argmax(axis=1)
 
 
+#: Without ``num_classes``, labels may imply at most this many classes, or twice the
+#: number of samples if that is more: a larger label is an id, a year or a price, not a
+#: class index, and would build an enormous output layer (label 10**6: a million
+#: outputs) whose classes could never all be seen.
+MIN_CLASS_LIMIT = 1000
+
+
+def _check_label_range(y: np.ndarray, source: str) -> None:
+    limit = max(MIN_CLASS_LIMIT, 2 * y.shape[0])
+    if y.shape[0] and int(y.max()) + 1 > limit:
+        i = int(np.argmax(y))
+        raise DataError(
+            f"{source}: label {int(y[i])} (at sample {i}) implies {int(y[i]) + 1} classes for "
+            f"{y.shape[0]} samples (at most {limit} without num_classes); labels must be "
+            "class indices 0..C-1: renumber them, e.g. numpy.unique(y, return_inverse=True)"
+        )
+
+
 def check_arrays(
     x: np.ndarray | torch.Tensor,
     y: np.ndarray | torch.Tensor,
@@ -73,8 +91,9 @@ def check_arrays(
 
     ``x`` has shape ``(N, ...)`` with finite numbers; ``y`` holds ``N`` class indices
     (integers, or floats with integral values) or ``N`` one-hot rows. Labels must be
-    ``>= 0`` and, when ``num_classes`` is given, ``< num_classes``. Raises
-    :class:`DataError` naming ``source`` otherwise.
+    ``>= 0`` and, when ``num_classes`` is given, ``< num_classes``; without it, they may
+    imply at most ``max(1000, 2 * N)`` classes. Raises :class:`DataError` naming
+    ``source`` otherwise.
 
     >>> x, y = check_arrays([[1.0], [2.0]], np.array([[0, 1], [1, 0]]), num_classes=2)
     >>> y.tolist()
@@ -133,7 +152,9 @@ def check_arrays(
             f"{source}: labels must be >= 0, got {y_np[i]:g} (at sample {i}); "
             "use class indices 0..C-1"
         )
-    if num_classes is not None and (y_np >= num_classes).any():
+    if num_classes is None:
+        _check_label_range(y_np, source)
+    elif (y_np >= num_classes).any():
         i = int(np.argmax(y_np >= num_classes))
         raise DataError(
             f"{source}: label {y_np[i]:g} (at sample {i}) is out of range for "

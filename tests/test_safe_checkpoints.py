@@ -1,0 +1,190 @@
+"""Checkpoints cannot run code: every load is weights-only, and a file that would need
+arbitrary unpickling is refused with one line naming it, before anything runs or
+changes (library and command line)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec import Model
+from mixprec.cli import main
+from mixprec.train.callbacks import Callback, ModelCheckpoint
+from mixprec.train.checkpoint import (
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+    check_plain_data,
+    read_checkpoint,
+)
+from mixprec.train.data import train_test_loaders
+from mixprec.train.models import MLP
+
+FAST = ["--quiet", "--threads", "1", "--model", "mlp", "--batch-size", "128", "--device", "cpu"]
+
+
+class CreatesFile:
+    """Unpickling this calls ``open(marker, "w")``: the file appears if loading runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+class RunsCommand:
+    """The classic: unpickling calls ``os.system``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def folder_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def small_model(tmp_path: Path, epochs: int = 1) -> tuple[Model, object]:
+    torch.manual_seed(0)
+    train, _ = train_test_loaders(batch_size=256, seed=0, image=False)
+    net = MLP(64, hidden=(16,), num_classes=10)
+    model = Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    model.train(epochs, train, callbacks=[ModelCheckpoint(tmp_path)])
+    return model, train
+
+
+def poisoned_copy(honest: Path, target: Path, payload: object) -> None:
+    """A real checkpoint whose callback state carries ``payload`` (what an attacker edits)."""
+    data = torch.load(honest, weights_only=True)
+    data["callbacks"]["History:0"]["steps"] = [payload]
+    torch.save(data, target)
+
+
+@pytest.mark.parametrize("kind", [CreatesFile, RunsCommand])
+def test_the_library_refuses_a_malicious_checkpoint_and_changes_nothing(tmp_path, kind):
+    model, train = small_model(tmp_path)
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "epoch0002.pt"
+    poisoned_copy(tmp_path / "epoch0001.pt", evil, kind(marker))
+    weights = {k: v.clone() for k, v in model.network.state_dict().items()}
+    steps = int(model.optimizer.iterations)
+    with pytest.raises(UnsafeCheckpointError) as err:
+        model.train(3, train, resume=evil)
+    message = str(err.value)
+    assert str(evil) in message and "refused" in message and "\n" not in message
+    assert not marker.exists()
+    assert int(model.optimizer.iterations) == steps
+    for key, value in model.network.state_dict().items():
+        assert torch.equal(value, weights[key]), key
+    # The file is live: an unsafe load would have run the attacker's call.
+    torch.load(evil, weights_only=False)
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_a_plain_pickle_of_an_object_is_refused_at_every_protocol(tmp_path, protocol):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "epoch0001.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"model": CreatesFile(marker)}, f, protocol=protocol)
+    with pytest.raises(UnsafeCheckpointError, match="would call .*open"):
+        read_checkpoint(path, torch.device("cpu"))
+    assert not marker.exists()
+
+
+def test_the_command_refuses_a_malicious_run_folder_in_one_line(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), "--epochs", "1", *FAST]) == 0
+    marker = tmp_path / "pwned"
+    evil = run / "checkpoints" / "epoch0002.pt"  # newer than the honest one: picked first
+    poisoned_copy(run / "checkpoints" / "epoch0001.pt", evil, CreatesFile(marker))
+    before = folder_digest(run)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec", "train", "--resume", str(run), "--epochs", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("mixprec: error: ") and str(evil) in lines[0]
+    assert "refused" in lines[0] and "run code" in lines[0]
+    assert not marker.exists()
+    assert folder_digest(run) == before  # nothing in the folder changed
+
+
+def test_honest_checkpoints_hold_only_plain_data_and_resume_bit_exactly(tmp_path):
+    full, _ = small_model(tmp_path / "full", epochs=2)
+    small_model(tmp_path / "part", epochs=1)
+    torch.manual_seed(0)
+    train, _ = train_test_loaders(batch_size=256, seed=0, image=False)
+    net = MLP(64, hidden=(16,), num_classes=10)
+    resumed = Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    resumed.train(2, train, resume=tmp_path / "part" / "epoch0001.pt")
+    for a, b in zip(full.network.parameters(), resumed.network.parameters()):
+        assert torch.equal(a, b)
+    payload = torch.load(tmp_path / "full" / "epoch0002.pt", weights_only=True)
+    check_plain_data(payload)
+    assert payload["format"] == "mixprec-checkpoint-1" and payload["epoch"] == 2
+
+
+class KeepsAnObject(Callback):
+    def state_dict(self):
+        return {"best": object()}
+
+
+def test_saving_state_a_safe_load_could_not_read_is_refused(tmp_path):
+    torch.manual_seed(0)
+    train, _ = train_test_loaders(batch_size=256, seed=0, image=False)
+    net = MLP(64, hidden=(16,), num_classes=10)
+    model = Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"\['KeepsAnObject:0'\]\['best'\] is a object"):
+        model.train(1, train, callbacks=[KeepsAnObject(), ModelCheckpoint(tmp_path)])
+    assert list(tmp_path.iterdir()) == []  # not even a temporary file
+
+
+class Threshold:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
+def test_a_type_registered_as_a_safe_global_is_accepted():
+    with pytest.raises(TypeError, match="add_safe_globals"):
+        check_plain_data({"t": Threshold(0.5)})
+    with torch.serialization.safe_globals([Threshold]):
+        check_plain_data({"t": Threshold(0.5)})
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) // 2],
+        lambda data: b"",
+        lambda data: random.Random(0).randbytes(4096),
+        lambda data: b"not a checkpoint\n",
+    ],
+    ids=["truncated", "empty", "random", "text"],
+)
+def test_a_damaged_file_is_corrupt_not_unsafe_and_named(tmp_path, damage):
+    small_model(tmp_path)
+    path = tmp_path / "epoch0001.pt"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(CorruptCheckpointError, match="not a readable checkpoint") as err:
+        read_checkpoint(path, torch.device("cpu"))
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
