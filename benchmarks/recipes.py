@@ -9,6 +9,8 @@ recipe                    one training step
 ``autocast+gradscaler``   the same with ``torch.amp.GradScaler`` (PyTorch's float16 recipe;
                           for bfloat16 it scales and unscales for nothing, kept as the
                           usual copy-paste recipe)
+``autocast+mixprec.       the same with ``mixprec.GradScaler``, the drop-in (in
+GradScaler``              :data:`EXTRA_RECIPES`: built here, timed by the GPU benchmark)
 ``O1``, ``O2``, ``O3``    ``model, opt = mixprec.amp.initialize(model, opt, level, dtype)``;
                           ``opt.scale_loss(loss).backward(); opt.step()``
 ``rewrite``               ``model = mixprec.rewrite.rewrite(model, (x,), dtype)``;
@@ -20,7 +22,8 @@ model is built), uses the same inner optimizer (AdamW, fused where the device ha
 the kernel, so no recipe pays a host sync for skipping steps) and computes the loss
 in float32. Loss scaling follows each API's default for the dtype: dynamic for
 float16, none for bfloat16 (``rewrite`` is given the same choice explicitly, since
-its own default is always dynamic).
+its own default is always dynamic). ``compile_model=True`` runs the prepared model
+under ``torch.compile`` (default inductor mode; the optimizer step stays eager).
 """
 
 from __future__ import annotations
@@ -35,9 +38,18 @@ from torch import nn
 
 from mixprec.train.models import LeNet5, TransformerClassifier
 
-__all__ = ["RECIPES", "Recipe", "build_recipe", "make_optimizer", "workload_model"]
+__all__ = [
+    "EXTRA_RECIPES",
+    "RECIPES",
+    "Recipe",
+    "build_recipe",
+    "make_optimizer",
+    "workload_model",
+]
 
 RECIPES: tuple[str, ...] = ("fp32", "autocast", "autocast+gradscaler", "O1", "O2", "O3", "rewrite")
+#: Recipes :func:`build_recipe` also builds, which the CPU workloads do not time.
+EXTRA_RECIPES: tuple[str, ...] = ("autocast+mixprec.GradScaler",)
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -76,7 +88,7 @@ def _plain_step(
     opt: torch.optim.Optimizer,
     device_type: str,
     autocast_dtype: torch.dtype | None,
-    scaler: torch.amp.GradScaler | None,
+    scaler: Any,  # torch.amp.GradScaler, mixprec.GradScaler or None
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast(
@@ -140,39 +152,60 @@ def build_recipe(
     dtype: torch.dtype,
     lr: float = 1e-3,
     seed: int = 0,
+    compile_model: bool = False,
 ) -> Recipe:
-    """Build recipe ``name`` (one of :data:`RECIPES`) in low-precision ``dtype`` on ``device``.
+    """Build recipe ``name`` (:data:`RECIPES`, :data:`EXTRA_RECIPES`) in ``dtype`` on ``device``.
 
     The model comes from ``model_factory()`` after ``torch.manual_seed(seed)``, so
-    every recipe starts from the same weights.
+    every recipe starts from the same weights. ``compile_model``: steps and logits
+    call ``torch.compile`` of the prepared model (``Recipe.model`` stays the module
+    that owns the parameters).
     """
-    if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; choose one of {', '.join(RECIPES)}")
+    if name not in RECIPES + EXTRA_RECIPES:
+        known = ", ".join(RECIPES + EXTRA_RECIPES)
+        raise ValueError(f"unknown recipe {name!r}; choose one of {known}")
     torch.manual_seed(seed)
     model = model_factory().to(device)
     model.train()
     device_type = torch.device(device).type
     inner = make_optimizer(model.parameters(), device, lr)
+    if name == "O3" and dtype == torch.float16:
+        # O3 keeps AdamW's state in float16, where the default eps=1e-8 underflows;
+        # amp.initialize refuses eps below float16's smallest normal (6.1e-5).
+        for group in inner.param_groups:
+            group["eps"] = 1e-4
+
+    def run(prepared: nn.Module) -> nn.Module:  # what steps and logits call
+        return torch.compile(prepared) if compile_model else prepared
+
     if name == "fp32":
-        step = _plain_step(model, inner, device_type, None, None)
-        return Recipe(name, torch.float32, model, inner, step, _logits(model, device_type, None))
-    if name in ("autocast", "autocast+gradscaler"):
-        scaler = torch.amp.GradScaler(device_type) if name == "autocast+gradscaler" else None
-        step = _plain_step(model, inner, device_type, dtype, scaler)
-        return Recipe(name, dtype, model, inner, step, _logits(model, device_type, dtype))
+        runner = run(model)
+        step = _plain_step(runner, inner, device_type, None, None)
+        return Recipe(name, torch.float32, model, inner, step, _logits(runner, device_type, None))
+    if name.startswith("autocast"):
+        scaler = None
+        if name == "autocast+gradscaler":
+            scaler = torch.amp.GradScaler(device_type)
+        elif name == "autocast+mixprec.GradScaler":
+            from mixprec import GradScaler
+
+            scaler = GradScaler(device_type)
+        runner = run(model)
+        step = _plain_step(runner, inner, device_type, dtype, scaler)
+        return Recipe(name, dtype, model, inner, step, _logits(runner, device_type, dtype))
     if name in ("O1", "O2", "O3"):
         from mixprec import amp
 
         model, opt = amp.initialize(model, inner, level=name, dtype=dtype)
-        return Recipe(
-            name, dtype, model, opt, _scaled_step(model, opt), _logits(model, device_type, None)
-        )
+        runner = run(model)
+        step = _scaled_step(runner, opt)
+        return Recipe(name, dtype, model, opt, step, _logits(runner, device_type, None))
     from mixprec import LossScaleOptimizer
     from mixprec.rewrite import rewrite
 
     loss_scale = "dynamic" if dtype == torch.float16 else "none"
     graph = rewrite(model, (example_x,), dtype=dtype)
     opt = LossScaleOptimizer(inner, loss_scale)
-    return Recipe(
-        name, dtype, graph, opt, _scaled_step(graph, opt), _logits(graph, device_type, None)
-    )
+    runner = run(graph)
+    step = _scaled_step(runner, opt)
+    return Recipe(name, dtype, graph, opt, step, _logits(runner, device_type, None))
