@@ -64,6 +64,11 @@ def test_outputs_and_plots_hold_the_data(tmp_path):
     scale_data = read_plot_data(out / "loss_scale.png")
     assert scale_data["scales"] == hist["loss_scale"] == [65536.0] * metrics["steps"]
     assert scale_data["skipped_steps"] == [i + 1 for i, s in enumerate(hist["skipped"]) if s]
+    # Gradient underflow, sampled by the precision monitor, beside the scale.
+    samples = metrics["precision"]["samples"]
+    assert [s["step"] for s in samples] == [1] and 0.0 <= samples[0]["underflow_fraction"] <= 1.0
+    assert scale_data["underflow_steps"] == [1]
+    assert scale_data["underflow_fractions"] == [samples[0]["underflow_fraction"]]
 
 
 def test_loss_scale_plot_marks_skipped_steps(tmp_path):

@@ -40,6 +40,7 @@ from mixprec.train.callbacks import (
     History,
     LRScheduler,
     ModelCheckpoint,
+    PrecisionMonitor,
     ProgressBar,
 )
 from mixprec.train.data import infer_num_classes, load_csv, load_npz, train_test_loaders
@@ -193,7 +194,9 @@ def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
     }
 
 
-def _write_results(out: Path, config, model, history, seconds, final, diverged=None) -> dict:
+def _write_results(
+    out: Path, config, model, history, seconds, final, diverged=None, precision=None
+) -> dict:
     opt = model.optimizer
     summary = {
         "test_accuracy": None if final is None else final["accuracy"],
@@ -211,6 +214,8 @@ def _write_results(out: Path, config, model, history, seconds, final, diverged=N
             "epochs": history.metrics,
         },
     }
+    if precision is not None:  # gradient underflow/overflow samples (mixprec.diagnostics)
+        summary["precision"] = precision.summary()
     if not is_main_process():  # under torchrun, rank 0 alone writes
         return summary
     (out / "metrics.json").write_text(json.dumps({"config": config, **summary}, indent=2))
@@ -222,7 +227,10 @@ def _write_results(out: Path, config, model, history, seconds, final, diverged=N
         },
         out / "accuracy.png",
     )
-    plot_loss_scale(history.loss_scales, history.skipped, out / "loss_scale.png")
+    underflow = None if precision is None else precision.underflow_series()
+    plot_loss_scale(
+        history.loss_scales, history.skipped, out / "loss_scale.png", underflow=underflow
+    )
     return summary
 
 
@@ -270,9 +278,13 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     for note in _hardware_notes(model):
         print(note)
     history = History()
+    # Gradient underflow beside the loss scale (sampled every 100 steps, no syncs between).
+    low = model.amp_level != "O0" and model.dtype in (torch.float16, torch.bfloat16)
+    precision = PrecisionMonitor(dtype=model.dtype, verbose=not args.quiet) if low else None
     total_steps = args.epochs * len(train)
     callbacks = [
         _RunStart(out, config, lambda: _relayout(schedule, model.optimizer, args.lr, total_steps)),
+        *([precision] if precision is not None else []),
         history,
         schedule,
         ProgressBar(disable=args.quiet),
@@ -284,12 +296,13 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     try:
         model.train(args.epochs, train, callbacks=callbacks, resume=checkpoint, eval_dataset=test)
     except DIVERGED as err:
-        _write_results(out, config, model, history, time.perf_counter() - t0, None, str(err))
+        seconds = time.perf_counter() - t0
+        _write_results(out, config, model, history, seconds, None, str(err), precision)
         print(f"wrote metrics.json, loss.png, accuracy.png, loss_scale.png to {out} (diverged)")
         raise
     seconds = time.perf_counter() - t0
     final = model.eval(test)
-    summary = _write_results(out, config, model, history, seconds, final)
+    summary = _write_results(out, config, model, history, seconds, final, None, precision)
     print(
         f"test accuracy: {final['accuracy']:.4f}  test loss: {final['loss']:.4f}  "
         f"skipped steps: {summary['skipped_steps']}/{summary['steps']}  "
