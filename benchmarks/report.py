@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks import distributed
+
 __all__ = ["check_targets", "render_markdown"]
 
 
@@ -139,6 +141,32 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                             "met": row["parity"],
                         }
                     )
+        watch = work.get("monitor")
+        if watch:
+            for row in watch["rows"]:
+                what = f"{row['model']} {row['dtype']}: precision monitor"
+                checks.append(
+                    {
+                        "device": device,
+                        "workload": "monitor",
+                        "what": f"{what} overhead at every={row['every']} (share of step time)",
+                        "value": round(row["overhead"], 4),
+                        "target": "<= 0.03",
+                        "met": row["meets_target"],
+                    }
+                )
+                added = row["syncs"]["added_between_samples"]
+                checks.append(
+                    {
+                        "device": device,
+                        "workload": "monitor",
+                        "what": f"{what} host syncs added per step between samples",
+                        "value": added,
+                        "target": "<= 0",
+                        "met": added <= 0,
+                    }
+                )
+        checks += distributed.targets(device, work.get("distributed"))
     return checks
 
 
@@ -440,6 +468,45 @@ def _mfu(section: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _monitor(section: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in section["rows"]:
+        t, syncs = r["times"], r["syncs"]
+        rows.append(
+            [
+                r["model"],
+                r["dtype"],
+                r["tensors"],
+                _ms(t["bare"]["median_s"]),
+                _ms(t["monitored"]["median_s"]),
+                f"{r['between_samples_ratio']:.3f} ({r['between_samples_q1']:.2f}-"
+                f"{r['between_samples_q3']:.2f})",
+                _ms(r["sample_extra_s"]),
+                f"{100 * r['overhead']:.2f}%",
+                _mark(r["meets_target"]),
+                f"{100 * r['unnamed_overhead']:.2f}%",
+                f"{syncs['added_between_samples']} / {syncs['added_sampled']} / "
+                f"{syncs['read_sample']}",
+            ]
+        )
+    return _table(
+        [
+            "model",
+            "dtype",
+            "tensors",
+            "bare ms",
+            "monitored ms",
+            "between samples: monitored / bare (quartiles)",
+            "sampled step: extra ms",
+            f"overhead at every={section['rows'][0]['every'] if section['rows'] else '-'}",
+            "<= 3 %",
+            "overhead, name_overflows=False",
+            "syncs added: between / sampled step / reading a sample",
+        ],
+        rows,
+    )
+
+
 _SECTIONS = (
     ("overhead", "1. Loss-scaling overhead: LossScaleOptimizer vs torch.amp.GradScaler", _overhead),
     ("host_syncs", "2. Host syncs per optimizer step", _syncs),
@@ -447,6 +514,8 @@ _SECTIONS = (
     ("memory", "4. Peak memory", _memory),
     ("accuracy", "5. Accuracy parity", _accuracy),
     ("mfu", "6. Model FLOP utilisation", _mfu),
+    ("monitor", "7. Precision-monitor overhead (GradientMonitor, default interval)", _monitor),
+    ("distributed", "8. Ranks that agree: DDP x2, found-inf all-reduce", distributed.render),
 )
 
 _METHOD = """\
@@ -490,6 +559,10 @@ How the numbers are taken:
   training needed. GPU: `torch.cuda.max_memory_allocated`.
 - Accuracy: LeNet-5 on the embedded digits, AdamW lr 1e-2 decaying linearly to
   0, mean over seeds; parity = mean test accuracy at most 1 point below float32.
+- Precision monitor: the `O2` recipe bare, with `GradientMonitor(every=100)`, with
+  `name_overflows=False`, and with `every=1` (every step samples and reads the sample
+  back), interleaved; overhead at the default interval = (monitored / bare - 1) +
+  (sampled-step extra time / 100) / bare step time.
 """
 
 

@@ -38,7 +38,16 @@ from typing import Any
 
 import torch
 
-from benchmarks import accuracy, host_syncs, memory, mfu, overhead, throughput
+from benchmarks import (
+    accuracy,
+    distributed,
+    host_syncs,
+    memory,
+    mfu,
+    monitor,
+    overhead,
+    throughput,
+)
 from benchmarks._common import PRESETS, Preset, environment, jsonable, load_average
 from benchmarks.report import check_targets, render_markdown
 
@@ -49,6 +58,8 @@ WORKLOADS: dict[str, Callable[[Preset, str, dict[str, Any]], dict[str, Any]]] = 
     "memory": lambda preset, device, done: memory.run(preset, device),
     "accuracy": lambda preset, device, done: accuracy.run(preset, device),
     "mfu": lambda preset, device, done: mfu.run(preset, device, done.get("throughput")),
+    "monitor": lambda preset, device, done: monitor.run(preset, device),
+    "distributed": lambda preset, device, done: distributed.run(preset, device),
 }
 
 NO_GPU_NOTE = (

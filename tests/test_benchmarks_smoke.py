@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKLOADS = {"overhead", "host_syncs", "throughput", "memory", "accuracy", "mfu"}
+WORKLOADS = {
+    "overhead",
+    "host_syncs",
+    "throughput",
+    "memory",
+    "accuracy",
+    "mfu",
+    "distributed",
+    "monitor",
+}
 RECIPES = ["fp32", "autocast", "autocast+gradscaler", "O1", "O2", "O3", "rewrite"]
 
 

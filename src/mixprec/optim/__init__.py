@@ -5,7 +5,8 @@
 * :class:`GradScaler` - a drop-in for ``torch.amp.GradScaler`` (``grad_scaler``).
 * The parts it is made of, one module each: ``wrapper`` (a real ``Optimizer`` in front
   of another), ``options``, ``master_weights``, ``clipping``, ``ema``, ``accumulation``,
-  ``checkpoint``.
+  ``checkpoint``, ``distributed`` (ranks that agree, sharded parameters, ``no_sync``) and
+  ``distributed_checkpoint`` (``torch.distributed.checkpoint``).
 """
 
 from mixprec.optim.accumulation import GradientAccumulator

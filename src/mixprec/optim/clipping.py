@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from mixprec._checks import check_number
-from mixprec.numerics import global_norm, group_by_device_and_dtype
+from mixprec.numerics import group_by_device_and_dtype
+from mixprec.optim.distributed import is_dtensor, local_shards, norm_across_ranks
 
 __all__ = [
     "clip_by_value_",
@@ -54,35 +55,56 @@ def check_clip_options(clipnorm: Any, clipvalue: Any, global_clipnorm: Any) -> N
         )
 
 
+def _by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Groups for fused ops: by device and dtype, DTensors apart from ordinary tensors."""
+    dtensors = [t for t in tensors if is_dtensor(t)]
+    plain = [t for t in tensors if not is_dtensor(t)]
+    return [g for part in (plain, dtensors) for g in group_by_device_and_dtype(part).values()]
+
+
 def clip_by_value_(grads: list[torch.Tensor], clipvalue: float) -> None:
     """Clamp every gradient element into ``[-clipvalue, clipvalue]``."""
-    for group in group_by_device_and_dtype(grads).values():
+    for group in _by_kind(grads):
         torch._foreach_clamp_min_(group, -clipvalue)
         torch._foreach_clamp_max_(group, clipvalue)
 
 
 def clip_by_norm_(grads: list[torch.Tensor], clipnorm: float) -> None:
-    """Rescale each gradient separately so that its L2 norm is at most ``clipnorm``."""
-    for group in group_by_device_and_dtype(grads).values():
+    """Rescale each gradient separately so that its L2 norm is at most ``clipnorm``.
+
+    A DTensor gradient (FSDP2) is clipped by its whole tensor's norm, not its shard's."""
+    for group in _by_kind(grads):
         norms = torch._foreach_norm(group, 2.0, dtype=torch.float32)
+        if is_dtensor(group[0]):  # partial norms: one collective makes them whole tensors'
+            norms = list(torch.stack(norms).full_tensor().unbind())
         # g * clipnorm / max(norm, clipnorm): 1 when the norm is already small enough.
         factors = torch._foreach_maximum(norms, clipnorm)
         torch._foreach_reciprocal_(factors)
         torch._foreach_mul_(factors, clipnorm)
-        torch._foreach_mul_(group, [f.to(g.dtype) for f, g in zip(factors, group)])
+        torch._foreach_mul_(local_shards(group), [f.to(g.dtype) for f, g in zip(factors, group)])
 
 
-def clip_by_global_norm_(grads: list[torch.Tensor], clipnorm: float) -> torch.Tensor:
+def clip_by_global_norm_(
+    grads: list[torch.Tensor],
+    clipnorm: float,
+    *,
+    shards: list[torch.Tensor] = (),
+    process_group: Any = None,
+) -> torch.Tensor:
     """Rescale all gradients together so that their joint L2 norm is at most ``clipnorm``.
 
-    Returns the norm before clipping (a float32 tensor; reading it syncs).
+    The norm is the whole model's where it is sharded: DTensor gradients (FSDP2) count
+    in full, and ``shards`` (this rank's slices of FSDP1 flat parameters) are summed over
+    ``process_group`` (:func:`~mixprec.optim.distributed.norm_across_ranks`). Returns
+    the norm before clipping (a float32 tensor; reading it syncs).
     """
-    if not grads:
+    if not grads and not shards:
         return torch.zeros(())
-    total = global_norm(grads)
+    total = norm_across_ranks(grads, shards, process_group)
     factor = clipnorm / total.clamp(min=clipnorm)
-    for (device, dtype), group in group_by_device_and_dtype(grads).items():
-        torch._foreach_mul_(group, factor.to(device=device, dtype=dtype))
+    for group in _by_kind([*grads, *shards]):
+        g = group[0]
+        torch._foreach_mul_(local_shards(group), factor.to(device=g.device, dtype=g.dtype))
     return total
 
 
@@ -91,14 +113,21 @@ def clip_gradients_(
     clipvalue: float | None = None,
     clipnorm: float | None = None,
     global_clipnorm: float | None = None,
+    *,
+    shards: list[torch.Tensor] = (),
+    process_group: Any = None,
 ) -> None:
-    """Apply the clipping options that are set, in order: value, per-tensor norm, global norm."""
+    """Apply the clipping options that are set, in order: value, per-tensor norm, global norm.
+
+    ``shards``/``process_group``: see :func:`clip_by_global_norm_` (the per-tensor norm of
+    a slice of a flat parameter means nothing: ``clipnorm`` ignores ``shards``).
+    """
     if clipvalue is not None:
-        clip_by_value_(grads, clipvalue)
+        clip_by_value_([*grads, *shards], clipvalue)
     if clipnorm is not None:
         clip_by_norm_(grads, clipnorm)
     if global_clipnorm is not None:
-        clip_by_global_norm_(grads, global_clipnorm)
+        clip_by_global_norm_(grads, global_clipnorm, shards=shards, process_group=process_group)
 
 
 def decay_(param_groups: list[dict[str, Any]], weight_decay: float, applied: torch.Tensor) -> None:

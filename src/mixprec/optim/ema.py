@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from mixprec._checks import check_number
+from mixprec.optim.distributed import local_shards
 
 __all__ = ["ParameterEMA"]
 
@@ -73,7 +74,7 @@ class ParameterEMA:
         """Write the averages into ``params`` (all of it, or ``weight`` in [0, 1] of it)."""
         with torch.no_grad():
             if weight is None:
-                torch._foreach_copy_(params, self.averages)
+                torch._foreach_copy_(local_shards(params), local_shards(self.averages))
                 return
             for p, avg in zip(params, self.averages):
                 p.lerp_(avg.to(p.dtype), weight.to(p.dtype))

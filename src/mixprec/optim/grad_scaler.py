@@ -46,6 +46,7 @@ import torch
 from mixprec._checks import check_bool, check_number
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.numerics import unscale_and_check_
+from mixprec.optim.distributed import agree_on_found_inf, check_process_group
 from mixprec.optim.wrapper import creates_state
 
 __all__ = ["GradScaler"]
@@ -68,7 +69,10 @@ class GradScaler:
     ``growth_interval``, ``enabled``. mixprec's, keyword-only: ``min_scale``,
     ``max_scale``, ``hysteresis``, ``collapse_after`` (see
     :class:`~mixprec.DynamicLossScale`; the defaults reproduce torch's rule), or a
-    ready ``loss_scale`` object instead of all of these.
+    ready ``loss_scale`` object instead of all of these; ``process_group``: the ranks
+    whose overflow flags are all-reduced before ``step()`` decides, so that all of them
+    skip together and keep one scale (default: all ranks once ``torch.distributed`` is
+    initialised; ``"local"``: no all-reduce; see :mod:`mixprec.optim.distributed`).
     """
 
     def __init__(
@@ -85,8 +89,10 @@ class GradScaler:
         hysteresis: int = 1,
         collapse_after: int | None = 100,
         loss_scale: DynamicLossScale | None = None,
+        process_group: Any = None,
     ) -> None:
         check_bool("enabled", enabled)
+        check_process_group(process_group)
         if not isinstance(device, str | torch.device):
             raise TypeError(f"device must be a string or torch.device, got {device!r}")
         self._device = torch.device(device).type
@@ -111,6 +117,7 @@ class GradScaler:
         self._per_optimizer: dict[int, dict[str, Any]] = {}
         self._placed = False
         self._skipped_on_host = False
+        self.process_group = process_group
         loss_scale.take_scaled(self)  # from now on, steps ask whether a loss was scaled
 
     # -- scaling ----------------------------------------------------------------------
@@ -197,7 +204,9 @@ class GradScaler:
                 self.unscale_(optimizer)
             grad_scale = None
         state["stage"] = _Stage.STEPPED
-        return self._step_unless_inf(optimizer, state["found_inf"], grad_scale, args, kwargs)
+        # Every rank's verdict before this one decides: all skip together, or none does.
+        found_inf = agree_on_found_inf(state["found_inf"], self.process_group)
+        return self._step_unless_inf(optimizer, found_inf, grad_scale, args, kwargs)
 
     def _step_unless_inf(
         self,
@@ -260,6 +269,8 @@ class GradScaler:
                 )
             device = self.loss_scale.device
             found_inf = torch.stack([f.to(device, non_blocking=True) for f in flags]).amax()
+            if any(s["stage"] is _Stage.UNSCALED for s in self._per_optimizer.values()):
+                found_inf = agree_on_found_inf(found_inf, self.process_group)  # not stepped
             self.loss_scale.update(found_inf)
         skipped, self._skipped_on_host = self._skipped_on_host, False
         self._per_optimizer = {}  # reset first: a collapse error leaves a usable scaler

@@ -11,7 +11,8 @@ inner optimizer steps the copies, and the result is copied back into the model::
 
 Parameters that are already float32 (normalisation layers kept in float32) serve
 as their own masters. The inner optimizer's ``param_groups`` hold the masters, so
-its state (and ``state_dict``) is float32 too.
+its state (and ``state_dict``) is float32 too. Sharded parameters (FSDP2 DTensors,
+FSDP1 flat parameters) get masters sharded alike, and copies go shard to shard.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import LOW_PRECISION
+from mixprec.optim.distributed import is_dtensor, local_shards
 
 __all__ = ["MasterWeights"]
 
@@ -95,26 +97,40 @@ class MasterWeights:
         return self._groups
 
     def grads_to_masters(self) -> None:
-        """Copy each low-precision gradient into its master's float32 gradient (fused)."""
+        """Copy each low-precision gradient into its master's float32 gradient (fused).
+
+        Masters whose gradient was dropped (``zero_grad(set_to_none=True)``) get views
+        of one new float32 buffer per group: one allocation and one fused copy a step,
+        not one cast kernel per parameter (DTensors, sharded, get their own casts).
+        """
         with torch.no_grad():
             for models, masters in self._grouped():
-                src, dst = [], []
+                src, dst, missing = [], [], []
                 for p, m in zip(models, masters):
                     if p.grad is None:
                         m.grad = None
-                    elif m.grad is None or m.grad.shape != p.grad.shape:
+                    elif m.grad is not None and m.grad.shape == p.grad.shape:
+                        src.append(p.grad)
+                        dst.append(m.grad)
+                    elif is_dtensor(p.grad):
                         m.grad = p.grad.float()
                     else:
+                        missing.append((p, m))
+                if missing:
+                    sizes = [m.numel() for _, m in missing]
+                    flat = torch.empty(sum(sizes), dtype=torch.float32, device=missing[0][1].device)
+                    for (p, m), view in zip(missing, flat.split(sizes)):
+                        m.grad = view.view_as(m)
                         src.append(p.grad)
                         dst.append(m.grad)
                 if dst:
-                    torch._foreach_copy_(dst, src)
+                    torch._foreach_copy_(local_shards(dst), local_shards(src))
 
     def masters_to_model(self) -> None:
         """Copy the masters back into the model's low-precision parameters (fused)."""
         with torch.no_grad():
             for models, masters in self._grouped():
-                torch._foreach_copy_(models, masters)
+                torch._foreach_copy_(local_shards(models), local_shards(masters))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model parameters' gradients (the masters' are overwritten each step)."""

@@ -9,6 +9,7 @@ import torch
 from mixprec._checks import check_bool, check_number
 from mixprec.optim.accumulation import check_accumulation_steps
 from mixprec.optim.clipping import check_clip_options
+from mixprec.optim.distributed import check_process_group, check_sharded_options
 from mixprec.optim.ema import ParameterEMA
 from mixprec.optim.master_weights import MasterWeights
 
@@ -29,6 +30,7 @@ def check_options(
     loss_scale_factor: Any,
     gradient_accumulation_steps: Any,
     skip_nonfinite: Any,
+    process_group: Any = None,
 ) -> int | None:
     """Raise ``TypeError``/``ValueError`` for a bad option; return the accumulation steps.
 
@@ -61,4 +63,6 @@ def check_options(
         ParameterEMA([], ema_momentum, ema_overwrite_frequency)  # validates only
     if master_weights:
         MasterWeights.check(inner_optimizer)
+    check_process_group(process_group)
+    check_sharded_options(inner_optimizer, clipnorm)
     return accumulation
