@@ -428,3 +428,22 @@ def test_the_foreach_unscale_equals_the_fused_kernel(dtype, bad):
     torch._amp_foreach_non_finite_check_and_unscale_(kernel, found, inv_scale)
     assert torch.equal(_unscale_and_check_foreach_(fallback, inv_scale), found)
     assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(kernel, fallback))
+
+
+def test_the_monitor_option_samples_every_n_steps_and_names_an_overflow():
+    model, batches = model_and_data()
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), DynamicLossScale(**TORCH_RULE), monitor_every=2
+    )
+    for i, (x, y) in enumerate(batches[:4]):
+        opt.scale_loss(F.mse_loss(model(x), y)).backward()
+        if i == 2:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        opt.step()
+        if i == 2:  # the step's gradients, as the step saw them
+            assert opt.gradient_monitor.nonfinite() == ["param_groups[0][0]"]
+        opt.zero_grad()
+    samples = opt.gradient_monitor.read_samples()
+    assert [s.step for s in samples] == [1, 3]
+    with pytest.raises(ValueError, match="monitor_every"):
+        LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), monitor_every=0)

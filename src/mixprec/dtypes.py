@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "low_precision_of",
     "DTYPE_NAMES",
     "LOW_PRECISION",
     "FLOATING",
@@ -96,3 +97,14 @@ def as_low_precision(value: Any, what: str = "dtype", hint: str = "") -> torch.d
     if dtype not in LOW_PRECISION:
         raise ValueError(f"{expected}, got {value!r}{fix}")
     return dtype
+
+
+def low_precision_of(tensors: Any, default: torch.dtype = torch.float16) -> torch.dtype:
+    """The first float16/bfloat16 dtype among ``tensors`` (``default`` if there is none).
+
+    >>> low_precision_of([torch.ones(1), torch.ones(1, dtype=torch.bfloat16)])
+    torch.bfloat16
+    >>> low_precision_of([torch.ones(1)])
+    torch.float16
+    """
+    return next((t.dtype for t in tensors if t.dtype in LOW_PRECISION), default)

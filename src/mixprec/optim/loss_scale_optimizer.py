@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from mixprec.diagnostics.monitor import GradientMonitor
+from mixprec.dtypes import low_precision_of
 from mixprec.loss_scale import loss_scale_from_spec
 from mixprec.numerics import unscale_and_check_
 from mixprec.optim.accumulation import GradientAccumulator
@@ -37,10 +39,8 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         opt.step()                          # unscale, check, skip or apply, update scale
         opt.zero_grad()
 
-    ``loss_scale``: ``"dynamic"`` (the default: :class:`~mixprec.DynamicLossScale`,
-    starting at 2**15, doubled after 2000 finite steps, halved on overflow), a
-    positive number (a fixed scale), ``None``/``"none"`` (no scaling; non-finite steps
-    are still skipped) or any :class:`~mixprec.LossScale` object.
+    ``loss_scale``: ``"dynamic"`` (default: :class:`~mixprec.DynamicLossScale` from 2**15),
+    a number (fixed), ``None`` (no scaling, overflows still skipped) or a ``LossScale``.
 
     Every step whose (unscaled) gradients hold an inf or NaN is skipped: parameters,
     inner state, EMA and decay stay exactly as they were; ``iterations`` does not advance.
@@ -49,23 +49,20 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         clipnorm: clip each gradient's L2 norm to this.
         clipvalue: clamp gradient elements to ``[-clipvalue, clipvalue]`` (applied first).
         global_clipnorm: clip the joint norm of all gradients (excludes ``clipnorm``).
-        weight_decay: decoupled decay ``p -= lr * weight_decay * p`` before the inner step
-            (``opt.decoupled_weight_decay``; ``opt.weight_decay`` is the inner optimizer's).
-        use_ema, ema_momentum, ema_overwrite_frequency: keep float32 moving averages of the
-            parameters; :meth:`copy_ema_to_params` writes them into the model.
+        weight_decay: decoupled ``p -= lr * weight_decay * p`` (``opt.decoupled_weight_decay``).
+        use_ema, ema_momentum, ema_overwrite_frequency: float32 averages (copy_ema_to_params).
         loss_scale_factor: a fixed extra factor on the loss, removed from the gradients.
-        gradient_accumulation_steps: parameters change every N ``step()`` calls, by the
-            average of the N unscaled gradients; one overflowing micro-batch skips the
-            window (and backs the scale off once). ``zero_grad()`` after every ``step()``.
-        master_weights: the model's parameters are float16/bfloat16; the inner optimizer
-            steps float32 copies and the result is copied back after each applied step.
+        gradient_accumulation_steps: step every N ``step()`` calls on the average gradient;
+            one overflowing micro-batch skips the window (``zero_grad()`` after each).
+        master_weights: float32 copies of float16/bfloat16 parameters are what is stepped.
         skip_nonfinite: ``False`` applies every step, even one with inf/NaN gradients.
         process_group: the ranks that skip together (:mod:`mixprec.optim.distributed`).
+        monitor_every: sample gradient precision every N steps, no syncs in between
+            (``opt.gradient_monitor``, a :class:`~mixprec.diagnostics.GradientMonitor`).
 
-    ``param_groups``, ``state`` and hyperparameters (``opt.lr``) are the inner optimizer's
-    (:class:`~mixprec.optim.wrapper.OptimizerWrapper`). Counters are tensors (reading
-    them syncs): ``iterations``, ``skipped_steps``, ``last_step_skipped``. Host syncs per
-    ``step()``: none for fused inner optimizers after their first step, one otherwise.
+    ``param_groups``, ``state``, ``opt.lr`` are the inner optimizer's. Counters are tensors:
+    ``iterations``, ``skipped_steps``, ``last_step_skipped``. Host syncs per ``step()``:
+    none for fused inner optimizers after their first step, one otherwise.
 
     >>> var = torch.tensor(1.0, requires_grad=True)
     >>> opt = LossScaleOptimizer(torch.optim.SGD([var], lr=0.25))
@@ -93,6 +90,7 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         gradient_accumulation_steps: int | None = None,
         skip_nonfinite: bool = True,
         process_group: Any = None,
+        monitor_every: int | None = None,
     ) -> None:
         # Validate everything before touching the inner optimizer: a rejected
         # construction must leave it exactly as it was.
@@ -100,15 +98,14 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
             inner_optimizer, master_weights=master_weights, clipnorm=clipnorm,
             clipvalue=clipvalue, global_clipnorm=global_clipnorm, weight_decay=weight_decay,
             use_ema=use_ema, ema_momentum=ema_momentum, process_group=process_group,
+            monitor_every=monitor_every,
             ema_overwrite_frequency=ema_overwrite_frequency, loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps, skip_nonfinite=skip_nonfinite,
         )  # fmt: skip
         scaler = loss_scale_from_spec(loss_scale)
-
         super().__init__(inner_optimizer)
-        # Straight into __dict__, not through __setattr__'s delegation: a name that is also
-        # an inner hyperparameter (Adam/AdamW have their own ``decoupled_weight_decay``) would
-        # otherwise be written into the inner optimizer's param groups.
+        # Into __dict__, not through __setattr__: a name that is also an inner hyperparameter
+        # (AdamW's ``decoupled_weight_decay``) would be written into the inner param groups.
         self.__dict__.update(
             loss_scaler=scaler, clipnorm=clipnorm, clipvalue=clipvalue,
             global_clipnorm=global_clipnorm, decoupled_weight_decay=weight_decay,
@@ -121,6 +118,9 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         self._ema = ParameterEMA(params, ema_momentum, ema_overwrite_frequency) if use_ema else None
         self._counters = StepCounters()  # tensors: correct under torch.compile, no syncs
         scaler.take_scaled(self)  # from now on, step() asks whether a loss was scaled
+        self.gradient_monitor = None if monitor_every is None else GradientMonitor(
+            self, every=monitor_every, dtype=low_precision_of(self.model_params())
+        )
 
     def __repr__(self) -> str:
         return f"LossScaleOptimizer({self._inner!r}, loss_scale={self.loss_scaler!r})"

@@ -31,6 +31,7 @@ def check_options(
     gradient_accumulation_steps: Any,
     skip_nonfinite: Any,
     process_group: Any = None,
+    monitor_every: Any = None,
 ) -> int | None:
     """Raise ``TypeError``/``ValueError`` for a bad option; return the accumulation steps.
 
@@ -51,6 +52,7 @@ def check_options(
             "inner_optimizer is already a LossScaleOptimizer; wrap the plain optimizer once"
         )
     check_clip_options(clipnorm, clipvalue, global_clipnorm)
+    check_number("monitor_every", monitor_every, integer=True, minimum=1, allow_none=True)
     check_number("weight_decay", weight_decay, minimum=0, allow_none=True)
     check_number(
         "loss_scale_factor", loss_scale_factor, minimum=0, exclusive=True, allow_none=True
