@@ -11,8 +11,11 @@ with op lists, and a ``Model.train`` front end. The layers, bottom up:
   rewrite): how a model gets low precision;
 * :mod:`mixprec.train` (the ``Model`` loop, callbacks, data, models, metrics, plots) and
   :mod:`mixprec.cli`: the main job;
+* :mod:`mixprec.diagnostics` - per-layer underflow/overflow (:func:`diagnose`) and the
+  training-time gradient monitor;
 * :mod:`mixprec.compat` - the seed systems' names (``tf``, ``keras``, ``mindspore``);
-* :mod:`mixprec.tools` - host-sync counting and memory readings.
+* :mod:`mixprec.integrations` - Lightning, Transformers and Accelerate (optional extras);
+* :mod:`mixprec.tools` - host-sync counting, memory readings, local multi-rank runs.
 
 See the README for a tour.
 """
