@@ -23,9 +23,9 @@ from mixprec.optim.clipping import decay_
 from mixprec.optim.counters import StepCounters
 from mixprec.optim.distributed import DistributedSteps
 from mixprec.optim.ema import ParameterEMA
-from mixprec.optim.master_weights import MasterWeights
+from mixprec.optim.lean import LeanUpdates
 from mixprec.optim.misuse import refuse_unscaled_gradients
-from mixprec.optim.options import check_options
+from mixprec.optim.options import build_master, check_options
 from mixprec.optim.wrapper import OptimizerWrapper, step_or_skip
 
 __all__ = ["LossScaleOptimizer"]
@@ -54,7 +54,8 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         loss_scale_factor: a fixed extra factor on the loss, removed from the gradients.
         gradient_accumulation_steps: step every N ``step()`` calls on the average gradient;
             one overflowing micro-batch skips the window (``zero_grad()`` after each).
-        master_weights: float32 copies of float16/bfloat16 parameters are what is stepped.
+        master_weights: True/"fp32" (float32 masters are stepped), "kahan" or "stochastic"
+            (the low-precision parameters are stepped, updates kept: mixprec.optim.lean).
         skip_nonfinite: ``False`` applies every step, even one with inf/NaN gradients.
         process_group: the ranks that skip together (:mod:`mixprec.optim.distributed`).
         monitor_every: sample gradient precision every N steps, no syncs in between
@@ -78,7 +79,7 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         inner_optimizer: torch.optim.Optimizer,
         loss_scale: Any = "dynamic",
         *,
-        master_weights: bool = False,
+        master_weights: bool | str = False,
         clipnorm: float | None = None,
         clipvalue: float | None = None,
         global_clipnorm: float | None = None,
@@ -112,7 +113,7 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
             loss_scale_factor=loss_scale_factor, skip_nonfinite=skip_nonfinite,
             gradient_accumulation_steps=accumulation, process_group=process_group,
         )  # fmt: skip
-        self._master = MasterWeights(inner_optimizer) if master_weights else None
+        self._master = build_master(inner_optimizer, master_weights)
         self._accumulator = GradientAccumulator(accumulation) if accumulation else None
         params = self._stepped_params()
         self._ema = ParameterEMA(params, ema_momentum, ema_overwrite_frequency) if use_ema else None
@@ -154,8 +155,8 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         return self._ema is not None
 
     @property
-    def master_weights(self) -> bool:
-        return self._master is not None
+    def master_weights(self) -> bool | str:  # False, True (float32), "kahan" or "stochastic"
+        return getattr(self._master, "mode", True) if self._master is not None else False
 
     def _factor(self) -> float:
         return 1.0 if self.loss_scale_factor is None else float(self.loss_scale_factor)
@@ -182,13 +183,10 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         :meth:`step` does not unscale again::
 
             opt.scale_loss(loss).backward()
-            opt.unscale_()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            opt.unscale_(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step()
 
         Under ``master_weights=True`` the unscaled gradients are the float32 masters'
-        (``opt.param_groups``): clip those, or use ``global_clipnorm=``. Twice before
-        ``step()`` is a ``RuntimeError``.
+        (``opt.param_groups``): clip those, or use ``global_clipnorm=``. Once per step.
         """
         if "_unscaled_found_inf" in self.__dict__:
             raise RuntimeError(
@@ -220,18 +218,21 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         return self._agree(self._accumulator.window(params, found_inf))
 
     def _apply(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> bool:
-        """Clip, decay, step (or skip), EMA, copy back, count. Leaves the scale alone.
-
+        """Clip, decay, step (or skip), EMA, copy back, count; leave the scale alone.
         Returns whether the step is known on the host to have been skipped."""
         if not self.skip_nonfinite:
             found_inf = torch.zeros_like(found_inf)
         # 1 on an applied step, 0 on a skipped one: decay and EMA multiply by it.
         applied = 1.0 - found_inf if self.decoupled_weight_decay or self._ema else None
+        lean = self._master if isinstance(self._master, LeanUpdates) else None
         with torch.no_grad():
             self._clip(params)  # norms across shards (mixprec.optim.distributed)
-            if self.decoupled_weight_decay:
+            if self.decoupled_weight_decay and lean is None:
                 decay_(self._inner.param_groups, self.decoupled_weight_decay, applied)
-        skipped = step_or_skip(self._inner, found_inf, self.skip_nonfinite)
+        if lean is None:
+            skipped = step_or_skip(self._inner, found_inf, self.skip_nonfinite)
+        else:  # decay is folded into the lean update, where bfloat16 keeps it
+            skipped = lean.step(found_inf, self.skip_nonfinite, self.decoupled_weight_decay)
         if self._ema is not None:
             self._ema.update(params, applied, self._counters.applied.to(applied.device))
         if self._master is not None:
@@ -290,9 +291,8 @@ class LossScaleOptimizer(DistributedSteps, OptimizerWrapper):
         if self._master is not None:
             self._master.masters_to_model()
 
-    # state_dict(): the inner optimizer's (state, param_groups) plus "mixprec": loss scale,
-    # counters, masters, EMA, accumulation. Loading checks everything first and applies the
-    # saved loss-scale configuration (mixprec.optim.checkpoint).
+    # state_dict(): the inner optimizer's plus "mixprec" (loss scale, counters, masters, EMA,
+    # accumulation); loading checks everything first (mixprec.optim.checkpoint).
     def _own_state_dict(self) -> dict[str, Any]:
         return optimizer_state(self)
 

@@ -146,6 +146,11 @@ class MasterWeights:
         return {"masters": [m.detach().clone() for _, m in self._low]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "masters" not in state:  # a lean mode's entry (mixprec.optim.lean)
+            raise ValueError(
+                f"the checkpoint's master weights are {state.get('mode')!r}, this optimizer's "
+                f"are 'fp32'; build the optimizer with master_weights={state.get('mode')!r}"
+            )
         saved = state["masters"]
         if len(saved) != len(self._low) or any(
             s.shape != m.shape for s, (_, m) in zip(saved, self._low)

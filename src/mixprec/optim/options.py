@@ -11,9 +11,19 @@ from mixprec.optim.accumulation import check_accumulation_steps
 from mixprec.optim.clipping import check_clip_options
 from mixprec.optim.distributed import check_process_group, check_sharded_options
 from mixprec.optim.ema import ParameterEMA
+from mixprec.optim.lean import LeanUpdates, master_weight_mode
 from mixprec.optim.master_weights import MasterWeights
+from mixprec.optim.split_masters import SplitMasterWeights
 
-__all__ = ["check_options"]
+__all__ = ["check_options", "build_master"]
+
+
+def build_master(inner_optimizer: torch.optim.Optimizer, master_weights: Any) -> Any:
+    """The part that owns what is stepped: ``MasterWeights``, ``LeanUpdates`` or ``None``."""
+    mode = master_weight_mode(master_weights)
+    if mode in ("fp32", "split"):
+        return (MasterWeights if mode == "fp32" else SplitMasterWeights)(inner_optimizer)
+    return LeanUpdates(inner_optimizer, mode) if mode else None
 
 
 def check_options(
@@ -58,13 +68,22 @@ def check_options(
         "loss_scale_factor", loss_scale_factor, minimum=0, exclusive=True, allow_none=True
     )
     accumulation = check_accumulation_steps(gradient_accumulation_steps)
-    check_bool("master_weights", master_weights)
     check_bool("use_ema", use_ema)
     check_bool("skip_nonfinite", skip_nonfinite)
     if use_ema:
         ParameterEMA([], ema_momentum, ema_overwrite_frequency)  # validates only
-    if master_weights:
+    mode = master_weight_mode(master_weights)
+    if mode == "fp32":
         MasterWeights.check(inner_optimizer)
+    elif mode == "split":
+        SplitMasterWeights.check(inner_optimizer)
+        if use_ema:
+            raise ValueError(
+                "use_ema=True needs float32 masters that live between steps; "
+                "use master_weights='fp32' with use_ema=True"
+            )
+    elif mode:
+        LeanUpdates.check(inner_optimizer, mode)
     check_process_group(process_group)
     check_sharded_options(inner_optimizer, clipnorm)
     return accumulation

@@ -1,0 +1,124 @@
+"""Lean low-precision training side by side: every ``master_weights=`` mode with AdamW.
+
+One run trains the same small MLP regression (full batch, AdamW at a learning rate
+where bfloat16 ulps swallow single updates) with each mode over several seeds, and,
+where installed, ``torch-optimi``'s Kahan-summation AdamW on the same bfloat16 model.
+Per mode: bytes per parameter (live tensor storage after training: parameters,
+optimizer state, masters or buffers), median step time as a ratio to float32 masters
+(``fp32``) in this run, and the final float32-evaluated loss (mean over seeds)::
+
+    python -m benchmarks.lean --steps 600 --seeds 5 --out results/lean.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from mixprec.optim import LossScaleOptimizer
+from mixprec.tools.memory import live_tensor_bytes
+
+__all__ = ["measure", "run"]
+
+MODES = ("float32", "fp32", "split", "kahan", "stochastic", "bf16", "optimi-kahan")
+
+
+def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, 16, generator=gen)
+    return x, x @ torch.randn(16, 1, generator=gen) + 0.1 * torch.randn(256, 1, generator=gen)
+
+
+def _model(seed: int, width: int, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 1)]
+    return torch.nn.Sequential(*layers).to(dtype)
+
+
+def _optimizer(mode: str, model: torch.nn.Module, lr: float) -> Any:
+    params = model.parameters()
+    if mode == "optimi-kahan":
+        import optimi  # benchmark-only dependency: pip install torch-optimi
+
+        inner = optimi.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                             kahan_sum=True)  # fmt: skip
+        return LossScaleOptimizer(inner)
+    inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    wrapped = False if mode in ("float32", "bf16") else mode
+    return LossScaleOptimizer(inner, master_weights=wrapped)
+
+
+def measure(mode: str, seed: int, steps: int, lr: float, width: int) -> dict[str, float]:
+    """Train one (mode, seed); return bytes/param, median step seconds, final loss."""
+    x, y = _data(seed)
+    dtype = torch.float32 if mode == "float32" else torch.bfloat16
+    x_in = x.to(dtype)
+    baseline = live_tensor_bytes()
+    model = _model(seed, width, dtype)
+    opt = _optimizer(mode, model, lr)
+    times = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x_in).float(), y)
+        opt.scale_loss(loss).backward()
+        start = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        opt.zero_grad()
+    del loss
+    n = sum(p.numel() for p in model.parameters())
+    held = (live_tensor_bytes() - baseline) / n
+    with torch.no_grad():
+        final = float(torch.nn.functional.mse_loss(copy.deepcopy(model).float()(x), y))
+    return {"bytes_per_param": held, "step_s": statistics.median(times), "loss": final}
+
+
+def run(steps: int, seeds: int, lr: float, width: int) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for mode in MODES:
+        try:
+            runs = [measure(mode, s, steps, lr, width) for s in range(seeds)]
+        except ImportError as exc:
+            rows[mode] = {"skipped": f"{exc}"}
+            continue
+        rows[mode] = {
+            "bytes_per_param": round(runs[0]["bytes_per_param"], 2),
+            "step_s": statistics.median(r["step_s"] for r in runs),
+            "loss_mean": statistics.mean(r["loss"] for r in runs),
+            "loss_stdev": statistics.stdev(r["loss"] for r in runs) if seeds > 1 else 0.0,
+        }
+    anchor = rows["fp32"]["step_s"]
+    for row in rows.values():
+        if "step_s" in row:
+            row["step_time_vs_fp32_masters"] = round(row["step_s"] / anchor, 3)
+    return {"steps": steps, "seeds": seeds, "lr": lr, "width": width, "modes": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--out", default=None, help="write the results as JSON here too")
+    args = parser.parse_args(argv)
+    result = run(args.steps, args.seeds, args.lr, args.width)
+    print(f"{'mode':14} {'B/param':>8} {'step vs fp32':>13} {'loss mean':>10} {'stdev':>8}")
+    for mode, row in result["modes"].items():
+        if "skipped" in row:
+            print(f"{mode:14} skipped: {row['skipped']}")
+            continue
+        print(f"{mode:14} {row['bytes_per_param']:8.2f} {row['step_time_vs_fp32_masters']:13.3f} "
+              f"{row['loss_mean']:10.4f} {row['loss_stdev']:8.4f}")  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
