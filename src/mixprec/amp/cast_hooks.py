@@ -45,17 +45,22 @@ A hook registered after amp's sees what the layer computes with:
 
 The hooks keep per-call state per module object, so ``nn.DataParallel`` replicas
 work; two threads running the *same* module object at once do not.
+
+Under ``torch.compile`` and ``torch.export`` the hooks hand over to
+:mod:`mixprec.amp.traced_hooks`: the same casts, without the cache and the identity
+tests that would break the graph.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec.amp import traced_hooks
+from mixprec.amp.cast_cache import _CastCache, _local, _region_stack
 from mixprec.policy import Policy, cast_floating
 
 __all__ = [
@@ -69,21 +74,6 @@ __all__ = [
 
 #: Name of the per-module state in ``module.__dict__``.
 ATTR = "_mixprec_amp"
-
-# Per-thread call state (like torch.autocast's): the stack of region dtypes being
-# run, and the token of the forward pass that the cast cache is valid for.
-_local = threading.local()
-
-
-def _region_stack() -> list[torch.dtype]:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    return stack
-
-
-def _current_pass() -> object | None:
-    return getattr(_local, "pass_token", None)
 
 
 def forget_regions(root: nn.Module) -> None:
@@ -157,7 +147,9 @@ class _FunctionCastMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        lists = self.lists
+        # Read through the thread state, not self: Dynamo cannot guard on the
+        # attributes of a mode that was on the stack before it started tracing.
+        lists = _local.lists
         target = (
             lists.low_dtype if func in lists.low else torch.float32 if func in lists.high else None
         )
@@ -165,12 +157,17 @@ class _FunctionCastMode(TorchFunctionMode):
         if target is None or not stack or "out" in kwargs:
             return func(*args, **kwargs)
         if lists.keep_outputs:
-            if _needs_cast((args, kwargs), target):  # usually not: the region cast them
+            if torch.compiler.is_compiling():
+                args, kwargs = traced_hooks.cast_tree((args, kwargs), target)
+            elif _needs_cast((args, kwargs), target):  # usually not: the region cast them
                 args, kwargs = self.cache.cast_args((args, kwargs), target)
             return func(*args, **kwargs)
         region = stack[-1]
         if region == target:
             return func(*args, **kwargs)
+        if torch.compiler.is_compiling():  # the graph is the cache (see traced_hooks)
+            args, kwargs = traced_hooks.cast_tree((args, kwargs), target)
+            return traced_hooks.cast_tree(func(*args, **kwargs), region)
         args, kwargs = self.cache.cast_args((args, kwargs), target)
         return cast_floating(func(*args, **kwargs), region)
 
@@ -184,60 +181,6 @@ def _needs_cast(tree: Any, dtype: torch.dtype) -> bool:
     if isinstance(tree, dict):
         return any(_needs_cast(item, dtype) for item in tree.values())
     return False
-
-
-class _CastCache:
-    """Casts of parameters, reused until the parameter changes (see module docstring)."""
-
-    def __init__(self) -> None:
-        self._entries: dict[Any, tuple] = {}
-
-    def get(self, key: Any, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        needs_grad = param.requires_grad and torch.is_grad_enabled()
-        token = _current_pass()
-        if token is None:  # called outside any region: nothing to share the cast with
-            return param.to(dtype)
-        entry = self._entries.get(key)
-        if entry is not None:
-            owner, version, ptr, made_in, cast = entry
-            if (
-                owner is param
-                and made_in is token
-                and version == param._version
-                and ptr == param.data_ptr()
-                and cast.dtype == dtype
-                and (cast.requires_grad or not needs_grad)
-                # An inference-mode cast cannot take part in autograd later.
-                and (not cast.is_inference() or torch.is_inference_mode_enabled())
-            ):
-                return cast
-        cast = param.to(dtype)
-        if needs_grad or entry is None or entry[3] is not token or not entry[-1].requires_grad:
-            # Keep a differentiable cast over a no-grad one of the same pass.
-            self._entries[key] = (param, param._version, param.data_ptr(), token, cast)
-        return cast
-
-    def cast_args(self, tree: Any, dtype: torch.dtype) -> Any:
-        """``cast_floating(tree, dtype)``, with parameters taken from the cache."""
-        if isinstance(tree, nn.Parameter) and tree.is_floating_point() and tree.dtype != dtype:
-            return self.get(id(tree), tree, dtype)
-        if isinstance(tree, (list, tuple, dict)):
-            if isinstance(tree, dict):
-                items = {k: self.cast_args(v, dtype) for k, v in tree.items()}
-                return items if any(items[k] is not v for k, v in tree.items()) else tree
-            items = [self.cast_args(v, dtype) for v in tree]
-            if all(a is b for a, b in zip(items, tree)):
-                return tree
-            return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-        return cast_floating(tree, dtype)
-
-    # The cache holds non-leaf tensors that cannot be deep-copied or pickled, and
-    # they would be stale in a copy anyway: copies start empty.
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._entries = {}
 
 
 class ModuleAmp:
@@ -255,7 +198,8 @@ class ModuleAmp:
         self.policy: Policy | None = None
         self.user_policy = False
         self.level: str | None = None
-        self.functions: FunctionLists | None = None
+        self._functions: FunctionLists | None = None
+        self._mode: _FunctionCastMode | None = None
         # Modules whose running statistics are updated in place (BatchNorm,
         # InstanceNorm) keep their parameters as stored: their kernels take
         # low-precision input with float32 weights and statistics, while a cast
@@ -268,8 +212,23 @@ class ModuleAmp:
         self._active: dict[int, list] = {}  # id(module) -> [depth, saved _flat_weights]
         self._frames: dict[int, list[tuple[Any, list[nn.Module]]]] = {}
         self._members: tuple[int, list[nn.Module]] | None = None
+        # The same under torch.compile (see traced_hooks): shadowed names, owner frames.
+        self._traced_shadows: list = []
+        self._traced_frames: list = []
         # The owner whose cached region list holds this module (see forget_regions).
         self.region_owner: ModuleAmp | None = None
+
+    @property
+    def functions(self) -> FunctionLists | None:
+        """The function lists this owner applies to its forward (O1's root), or ``None``."""
+        return self._functions
+
+    @functions.setter
+    def functions(self, lists: FunctionLists | None) -> None:
+        # One mode object for the model's life: Dynamo can enter a mode made outside
+        # the traced code, not one made inside it and kept in the hooks' state.
+        self._functions = lists
+        self._mode = None if lists is None else _FunctionCastMode(lists, self._cache)
 
     def attach(self, module: nn.Module) -> None:
         """Store this state on ``module`` and register its two hooks."""
@@ -328,6 +287,10 @@ class ModuleAmp:
     # -- hooks -------------------------------------------------------------------------
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        if torch.compiler.is_compiling():
+            return traced_hooks.pre_hook(
+                self, module, args, kwargs, _region_stack(), get_state, region_members
+            )
         dtype = self.compute_dtype
         new_args, new_kwargs = cast_floating((args, kwargs), dtype)  # one cast per tensor
         if self.policy is None:
@@ -340,23 +303,30 @@ class ModuleAmp:
             for member in members:
                 get_state(member)._shadow(member)
             stack.append(dtype)
-            mode = None
-            if (
-                # Dynamo cannot trace a mode entered inside a hook; compiled models
-                # get the module lists only.
-                not torch.compiler.is_compiling()
-                and self.functions is not None
-                and not getattr(_local, "mode_active", False)
-            ):
-                mode = _FunctionCastMode(self.functions, self._cache)
-                mode.__enter__()
-                _local.mode_active = True
+            mode = self._enter_functions()
             self._frames.setdefault(id(module), []).append((mode, members))
         if new_args is args and new_kwargs is kwargs:
             return None
         return new_args, new_kwargs
 
+    def _enter_functions(self) -> _FunctionCastMode | None:
+        """Enter the function-cast mode unless an outer region did (O1's root only)."""
+        mode = self._mode
+        if mode is None or _local.mode_active:
+            return None
+        _local.lists = self._functions
+        mode.__enter__()
+        _local.mode_active = True
+        return mode
+
+    def _exit_functions(self, mode: _FunctionCastMode | None) -> None:
+        if mode is not None:
+            _local.mode_active = False
+            mode.__exit__(None, None, None)
+
     def post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return traced_hooks.post_hook(self, module, output, _region_stack(), get_state)
         if self.policy is None:
             self._unshadow(module)
             return None
@@ -366,9 +336,7 @@ class ModuleAmp:
         mode, members = frames.pop()
         if not frames:
             del self._frames[id(module)]
-        if mode is not None:
-            _local.mode_active = False
-            mode.__exit__(None, None, None)
+        self._exit_functions(mode)
         stack = _region_stack()
         stack.pop()
         for member in members:
@@ -388,4 +356,5 @@ class ModuleAmp:
         # Region lists and per-call frames refer to live modules; a copy rebuilds them.
         state = dict(self.__dict__)
         state.update(_members=None, _frames={}, _active={}, region_owner=None)
+        state.update(_traced_shadows=[], _traced_frames=[])
         return state

@@ -172,6 +172,11 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
         "own); 1 is fastest for small models on a busy machine",
     )
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the network through torch.compile (every level; the first steps compile)",
+    )
+    p.add_argument(
         "--quiet",
         action="store_true",
         help="no progress (otherwise a live bar on a terminal, one line per epoch elsewhere)",

@@ -122,6 +122,7 @@ def build_run(args: argparse.Namespace, level: str):
         loss_scale=None if concrete == "O0" else _loss_scale(args.loss_scale),
         dtype=args.dtype,
         device=device,
+        compile=bool(getattr(args, "compile", False)),
     )
     return model, train, test, schedule
 
@@ -191,6 +192,7 @@ def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         "seed": args.seed,
         "device": args.device,
         "threads": args.threads,
+        "compile": bool(getattr(args, "compile", False)),
     }
 
 

@@ -132,6 +132,7 @@ class Model:
             its defaults unless ``skip_nonfinite=False`` applies non-finite steps on purpose.
         dtype: the low-precision dtype (default: float16 on CUDA, bfloat16 on CPU).
         device: default CUDA if available, else CPU.
+        compile: ``True`` compiles the network in place (``nn.Module.compile``), any level.
     """
 
     def __init__(
@@ -147,6 +148,7 @@ class Model:
         *,
         skip_nonfinite: bool = True,
         divergence: DivergenceGuard | bool | None = None,
+        compile: bool = False,
     ) -> None:
         check_instance("network", network, torch.nn.Module, "a torch.nn.Module")
         check_choice("amp_level", amp_level, AMP_LEVELS)
@@ -182,7 +184,7 @@ class Model:
         self._raw_optimizer = optimizer
         self.history: History | None = None
         self._generator: torch.Generator | None = None
-        self._ready = False
+        self._ready, self._compile = False, check_bool("compile", compile)
         if amp_level != "rewrite":
             self._prepare(None)
 
@@ -220,6 +222,8 @@ class Model:
             )
         if self.optimizer is not None and not self._skip_nonfinite:
             self.optimizer.skip_nonfinite = False
+        if self._compile:
+            self.network.compile()
         self._ready = True
 
     # -- one step ----------------------------------------------------------------------
