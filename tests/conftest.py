@@ -13,3 +13,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """The CLI runs in-process in some tests, and ``--threads N`` sets the process's
+    torch threads: restore them, so that later tests' numerics do not depend on order."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
