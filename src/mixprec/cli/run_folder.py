@@ -14,7 +14,8 @@ records the run's settings (data path absolute, level and dtype as resolved), so
   ones with one warning line, refusing an unsafe one; nothing is written before that
   checkpoint has been loaded.
 
->>> import tempfile
+>>> import contextlib
+import tempfile
 >>> folder = Path(tempfile.mkdtemp())
 >>> run_files(folder)
 []
@@ -28,6 +29,7 @@ mixprec.cli.args.UsageError: --out ... already holds a run (config.json): ...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -104,14 +106,12 @@ def prepare_out(out: Path, overwrite: bool) -> None:
     created = [p for p in (out / "checkpoints", out, *out.parents) if not p.exists()]
     try:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out / "checkpoints"):
-            pass
+        # A file created and deleted at once: the only reliable test that it is writable.
+        tempfile.NamedTemporaryFile(dir=out / "checkpoints").close()
     except OSError as err:
         for folder in created:
-            try:
+            with contextlib.suppress(OSError):  # best effort: a folder may not be empty
                 folder.rmdir()
-            except OSError:
-                pass
         reason = err.strerror or type(err).__name__
         raise UsageError(f"--out {out}: cannot write there ({reason})") from None
     if overwrite:
