@@ -14,8 +14,7 @@ records the run's settings (data path absolute, level and dtype as resolved), so
   ones with one warning line, refusing an unsafe one; nothing is written before that
   checkpoint has been loaded.
 
->>> import contextlib
-import tempfile
+>>> import tempfile
 >>> folder = Path(tempfile.mkdtemp())
 >>> run_files(folder)
 []
