@@ -92,6 +92,29 @@ def test_compiled_equals_eager(level, mode):
         torch.testing.assert_close(c, b, msg=name)  # batch-norm statistics
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_compiling_the_module_itself_equals_eager(level):
+    """``torch.compile(model)`` compiles the root's hooks as frames of their own, so
+    O1's function-cast mode is entered in one compiled frame and used in the next;
+    the forward starts with a listed torch function (``torch.relu``), which must see
+    the mode's lists. Three calls (the third one reuses the graphs), then eager again:
+    no call state may leak out of a compiled call."""
+    from mixprec.amp.cast_cache import _local
+
+    eager = make(level, "eval")
+    compiled_model = copy.deepcopy(eager)
+    first = compiled_model.forward
+    compiled_model.forward = lambda x: first(torch.relu(x))
+    eager_first = eager.forward
+    eager.forward = lambda x: eager_first(torch.relu(x))
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    x = inputs()
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-2, atol=1e-3)
+    assert _local.functions == [] and _local.stack == []
+    torch.testing.assert_close(compiled_model(x), eager(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("level", ["O0", "O1"])
 def test_o1_function_lists_apply_under_compile(level):
     """The matmul on a raw Parameter runs where the level says, compiled or not: O1 in

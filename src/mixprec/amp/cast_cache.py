@@ -32,13 +32,15 @@ class _ThreadState(threading.local):
     being run, the token of the forward pass that the cast cache is valid for, and the
     function lists of the active function-cast mode. Every field exists from the start
     (no ``getattr`` defaults), so what ``torch.compile`` guards on stays the same
-    from call to call."""
+    from call to call. Per-call state lives in lists that are mutated, never in
+    attributes that are reassigned: when ``torch.compile(model)`` compiles the root's
+    hooks as frames of their own, Dynamo replays a list's ``append``/``pop`` after the
+    frame but drops an attribute assignment on a thread-local object."""
 
     def __init__(self) -> None:
         self.stack: list[torch.dtype] = []
         self.pass_token: object | None = None
-        self.mode_active = False
-        self.lists: Any = None
+        self.functions: list[Any] = []  # FunctionLists of the active mode (at most one)
 
 
 _local = _ThreadState()

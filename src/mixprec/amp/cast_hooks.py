@@ -149,7 +149,7 @@ class _FunctionCastMode(TorchFunctionMode):
         kwargs = kwargs or {}
         # Read through the thread state, not self: Dynamo cannot guard on the
         # attributes of a mode that was on the stack before it started tracing.
-        lists = _local.lists
+        lists = _local.functions[-1]
         target = (
             lists.low_dtype if func in lists.low else torch.float32 if func in lists.high else None
         )
@@ -312,16 +312,15 @@ class ModuleAmp:
     def _enter_functions(self) -> _FunctionCastMode | None:
         """Enter the function-cast mode unless an outer region did (O1's root only)."""
         mode = self._mode
-        if mode is None or _local.mode_active:
+        if mode is None or _local.functions:
             return None
-        _local.lists = self._functions
+        _local.functions.append(self._functions)
         mode.__enter__()
-        _local.mode_active = True
         return mode
 
     def _exit_functions(self, mode: _FunctionCastMode | None) -> None:
         if mode is not None:
-            _local.mode_active = False
+            _local.functions.pop()
             mode.__exit__(None, None, None)
 
     def post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
