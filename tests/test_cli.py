@@ -262,3 +262,21 @@ def test_compare_prints_one_table(tmp_path, capsys):
         "O2 bfloat16",
     ]
     assert main(["compare", "--levels", "O0,O9", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_compare_puts_compiled_entries_beside_eager(tmp_path, capsys):
+    """``O2+compile`` trains the same run under torch.compile: same data, same seed, so
+    the accuracy matches the eager entry's closely; a bad option is a usage error."""
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--levels", "O2,O2+compile", "--epochs", "1", "--model", "mlp",
+               "--out", str(out), *FAST])  # fmt: skip
+    assert rc == 0
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["config"] for r in rows] == ["O2 bfloat16", "O2 bfloat16 compiled"]
+    assert abs(rows[0]["accuracy"] - rows[1]["accuracy"]) <= 0.02
+    assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 0.02 * rows[0]["loss"] + 1e-3
+    capsys.readouterr()
+    assert main(["compare", "--levels", "O2+fast", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "'fast'" in err and "O2+compile" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()

@@ -287,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--levels",
         default="O0,O1,O2,O3,rewrite",
-        help="comma-separated amp levels (default: %(default)s)",
+        help="comma-separated amp levels, each optionally with +compile "
+        "(e.g. O2,O2+compile; default: %(default)s)",
     )
     _add_training_options(compare, level_default=False)
     compare.add_argument(

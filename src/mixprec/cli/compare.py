@@ -1,5 +1,9 @@
 """``mixprec compare``: train the same model at several amp levels and print one table.
 
+A level may carry options after ``+``: ``O2+compile`` trains O2 under ``torch.compile``
+(``--compile`` compiles every entry), so ``--levels O2,O2+compile`` puts the eager
+and the compiled run side by side.
+
 Each level trains in a fresh process, so its peak memory is its own and not whatever
 the levels before it left behind. The table (accuracy, loss, median step time, peak
 memory, skipped steps) is also written to ``compare.json`` and plotted to
@@ -24,11 +28,34 @@ from mixprec.train.callbacks import History
 from mixprec.train.loop import AMP_LEVELS
 from mixprec.train.plots import plot_comparison
 
-__all__ = ["run_compare"]
+__all__ = ["ENTRY_OPTIONS", "parse_entry", "run_compare"]
 
 
-def _compare_one(args: argparse.Namespace, level: str) -> dict[str, Any]:
-    """Train one level in this (fresh) process and measure it."""
+#: What may follow a level after ``+`` in ``--levels``, each the ``mixprec train`` flag.
+ENTRY_OPTIONS = ("compile",)
+
+
+def parse_entry(text: str) -> tuple[str, tuple[str, ...]]:
+    """``"O2+compile"`` -> ``("O2", ("compile",))``; a ``UsageError`` names what is wrong.
+
+    >>> parse_entry("O2+compile")
+    ('O2', ('compile',))
+    """
+    level, *options = (part.strip() for part in text.split("+"))
+    bad = [o for o in options if o not in ENTRY_OPTIONS]
+    if level not in AMP_LEVELS or bad:
+        raise UsageError(
+            f"--levels: unknown {'option ' + repr(bad[0]) if bad else 'level ' + repr(level)} "
+            f"in {text!r}; levels: {', '.join(AMP_LEVELS)}; options after '+': "
+            f"{', '.join(ENTRY_OPTIONS)} (e.g. O2+compile)"
+        )
+    return level, tuple(options)
+
+
+def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
+    """Train one ``--levels`` entry in this (fresh) process and measure it."""
+    level, options = parse_entry(entry)
+    args = argparse.Namespace(**{**vars(args), **{option: True for option in options}})
     model, train, test, schedule = build_run(args, level)
     reset_peak_rss()  # count this level's training, not the imports before it
     step_times: list[float] = []
@@ -45,10 +72,13 @@ def _compare_one(args: argparse.Namespace, level: str) -> dict[str, Any]:
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak_mb = peak_rss_mib()
+    config = model.amp_level
+    if model.amp_level != "O0":
+        config += f" {str(model.dtype).replace('torch.', '')}"
+    if args.compile:
+        config += " compiled"
     return {
-        "config": model.amp_level
-        if model.amp_level == "O0"
-        else f"{model.amp_level} {str(model.dtype).replace('torch.', '')}",
+        "config": config,
         "accuracy": final["accuracy"],
         "loss": final["loss"],
         "step_ms": 1000 * statistics.median(step_times[len(step_times) // 5 :] or step_times),
@@ -61,11 +91,10 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train each of ``--levels`` in its own process; print, save and plot the table."""
     fill_defaults(args)
     levels = [lv.strip() for lv in args.levels.split(",") if lv.strip()]
-    bad = [lv for lv in levels if lv not in AMP_LEVELS]
-    if bad or not levels:
-        raise UsageError(
-            f"--levels: unknown level(s) {bad or levels}; choose from {', '.join(AMP_LEVELS)}"
-        )
+    if not levels:
+        raise UsageError(f"--levels: no level in {args.levels!r}; e.g. O0,O2,O2+compile")
+    for entry in levels:
+        parse_entry(entry)
     check_out_dir(args.out)
     load_data(args)  # fail on bad data before spawning anything
     args.out.mkdir(parents=True, exist_ok=True)
@@ -76,12 +105,12 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(pool.apply(_compare_one, (args, level)))
         if not args.quiet:
             print(f"  done: {rows[-1]['config']}", file=sys.stderr)
-    header = f"{'config':<16}{'accuracy':>9}{'loss':>8}{'ms/step':>9}{'peak MB':>9}{'skipped':>9}"
+    header = f"{'config':<25}{'accuracy':>9}{'loss':>8}{'ms/step':>9}{'peak MB':>9}{'skipped':>9}"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['config']:<16}{r['accuracy']:>9.4f}{r['loss']:>8.4f}{r['step_ms']:>9.2f}"
+            f"{r['config']:<25}{r['accuracy']:>9.4f}{r['loss']:>8.4f}{r['step_ms']:>9.2f}"
             f"{r['peak_mb']:>9.0f}{r['skipped_steps']:>9d}"
         )
     (args.out / "compare.json").write_text(json.dumps(rows, indent=2))
