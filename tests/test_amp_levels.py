@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
 from mixprec._api_guard import claim_model
+from mixprec.amp import auto as amp_auto
 from mixprec.amp import levels as amp_levels
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
@@ -223,13 +224,13 @@ def test_without_optimizer_returns_none():
 
 def test_auto_is_o1_bf16_on_a_bf16_cpu_and_o2_by_capability_on_cuda(monkeypatch):
     # The CPU and capability cases in full are in test_auto_level.py.
-    monkeypatch.setattr(amp_levels, "cpu_has_fast", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(amp_auto, "cpu_has_fast", lambda dtype: dtype == torch.bfloat16)
     model = nn.Linear(4, 4)
     model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto")
     assert amp.get_policy(model).compute_dtype == torch.bfloat16
     assert model.weight.dtype == torch.float32  # O1: float32 parameters, cast on the fly
     assert not opt.master_weights
-    monkeypatch.setattr(amp_levels, "_model_device", lambda m: torch.device("cuda", 0))
+    monkeypatch.setattr(amp_auto, "_model_device", lambda m: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert amp_levels.resolve_level(nn.Linear(1, 1), "auto", torch.float16) == ("O2", torch.float16)
 

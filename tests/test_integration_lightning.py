@@ -53,11 +53,11 @@ def make_loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
 
 
-def reference(accumulate: int = 1):
+def reference(accumulate: int = 1, level: str = "O2"):
     """mixprec's own loop: scale, backward, unscale, clip, step (skipped on overflow)."""
     net = make_net()
     sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-    net, opt = amp.initialize(net, sgd, "O2", torch.bfloat16, loss_scale=make_loss_scale())
+    net, opt = amp.initialize(net, sgd, level, torch.bfloat16, loss_scale=make_loss_scale())
     batches = list(make_loader())
     scales, norms = [], []
     for _ in range(EPOCHS):
@@ -120,9 +120,9 @@ class Recorder(Logger):
         self.metrics.append(dict(metrics))
 
 
-def fit(module, tmp_path, ckpt_path=None, callbacks=(), **trainer_args):
+def fit(module, tmp_path, ckpt_path=None, callbacks=(), level="O2", **trainer_args):
     recorder = Recorder()
-    plugin = MixprecPrecision(level="O2", dtype=torch.bfloat16, loss_scale=make_loss_scale())
+    plugin = MixprecPrecision(level=level, dtype=torch.bfloat16, loss_scale=make_loss_scale())
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=EPOCHS, plugins=[plugin], logger=recorder,
         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
@@ -192,6 +192,16 @@ def test_accumulation_and_manual_optimization_match_mixprecs_loop(mode, tmp_path
     trainer, _, recorder = fit(module, tmp_path, **args)
     assert_same_run(module, trainer, run)
     assert logged(recorder, "mixprec/loss_scale") == run[2]
+
+
+def test_the_lean_level_matches_mixprecs_loop(tmp_path):
+    """Level ``lean``: bfloat16 everywhere (the LayerNorm too), Kahan-compensated steps."""
+    module, run = Toy(), reference(level="lean")
+    trainer, plugin, _ = fit(module, tmp_path, level="lean", gradient_clip_val=CLIP)
+    assert trainer.optimizers[0].master_weights == "kahan"
+    assert plugin.precision == "bf16-true"
+    assert module.net[1].weight.dtype == torch.bfloat16
+    assert_same_run(module, trainer, run)
 
 
 def test_a_loss_scale_optimizer_from_configure_optimizers_is_refused():

@@ -12,6 +12,9 @@
     O2     low; norms float32     everything but the deny list        dynamic         float32, in
                                   (BatchNorm, LayerNorm, GroupNorm..)                  the optimizer
     O3     low, norms too         everything                          none           no
+    lean   O3 in bfloat16 (or float16), every update Kahan-compensated: none     no (2 B/param
+           compensation buffer, ``master_weights="kahan"``; float32-like updates at 8
+           bytes per parameter with AdamW against O2's 14, see mixprec.optim.lean)
     auto   by the hardware (see choose_auto): CUDA O2, bfloat16 at compute capability
            >= 8.0, else float16 with a dynamic loss scale; a CPU with bfloat16 units O1
            bfloat16; any other CPU O0 (float32)
@@ -39,14 +42,13 @@ hooks and runs the regular layers.
 
 from __future__ import annotations
 
-import itertools
-import logging
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec._checks import check_bool
+from mixprec.amp.auto import choose_auto, cpu_has_fast, resolve_level
 from mixprec.amp.cast_hooks import FunctionLists, get_state
 from mixprec.amp.lists import check_list, get_black_list, get_white_list, split_list
 from mixprec.amp.module_policy import _walk_region, apply_policies, check_module, claim_tree
@@ -54,30 +56,32 @@ from mixprec.dtypes import LOW_PRECISION as _LOW
 from mixprec.dtypes import as_low_precision
 from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.lean import master_weight_mode
 from mixprec.policy import Policy
 
-__all__ = ["initialize", "LEVELS", "resolve_level", "choose_auto", "cpu_has_fast"]
-
-_log = logging.getLogger("mixprec.amp")
+__all__ = [
+    "initialize",
+    "LEVELS",
+    "check_level_name",
+    "default_loss_scale",
+    "level_master_weights",
+    "resolve_level",
+    "choose_auto",
+    "cpu_has_fast",
+]
 
 #: The level names :func:`initialize` accepts.
-LEVELS = ("O0", "O1", "O2", "O3", "auto")
-
-# What "auto" means on a CPU, decided by measurement (AVX512-BF16 CPU, one thread,
-# 4-layer transformer encoder d=512, 8 heads, seq 128, batch 8, forward + backward +
-# AdamW step, CPU time as a fraction of float32's, several runs): O2 bf16 0.36-0.37,
-# O1 bf16 0.38-0.40, torch.autocast bf16 0.35-0.36. O1 casts every activation into
-# and out of each allow-listed layer; O2 keeps weights and activations in bf16 and
-# pays only the float32 norm boundaries and the master-weight copies.
-_CPU_AUTO_LEVEL = "O1"
+LEVELS = ("O0", "O1", "O2", "O3", "lean", "auto")
 
 
-def _check_level(level: Any) -> str:
+def check_level_name(level: Any) -> str:
+    """``level`` checked and normalised (``"o2"`` -> ``"O2"``); a clear error otherwise."""
     if not isinstance(level, str):
         raise TypeError(
             f"level must be a str, one of {LEVELS}, got {type(level).__name__} {level!r}"
         )
-    normal = "auto" if level.strip().lower() == "auto" else level.strip().upper()
+    word = level.strip().lower()
+    normal = word if word in ("auto", "lean") else level.strip().upper()
     if normal not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
     return normal
@@ -87,56 +91,6 @@ def _check_dtype(dtype: Any) -> torch.dtype:
     return as_low_precision(
         dtype, "dtype", hint="the low precision of the level; use level='O0' for float32"
     )
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
-    return torch.device("cpu") if tensor is None else tensor.device
-
-
-def cpu_has_fast(dtype: torch.dtype) -> bool:
-    """Whether this CPU has ``dtype`` units, by oneDNN's check (else, e.g. AVX2 only, its
-    matmuls are emulated ~100x slower than float32).
-
-    >>> cpu_has_fast(torch.bfloat16) in (True, False)
-    True
-    """
-    name = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
-    try:
-        return bool(getattr(torch.ops.mkldnn, name[dtype])())
-    except (KeyError, AttributeError, RuntimeError):  # no such check in this build: no units
-        return False
-
-
-def choose_auto(device: torch.device | str) -> tuple[str, torch.dtype, str]:
-    """``(level, dtype, reason)``: what ``auto`` picks on ``device`` (table above), and why.
-
-    >>> level, dtype, reason = choose_auto("cpu")
-    >>> (level, dtype) in (("O1", torch.bfloat16), ("O0", torch.float32))
-    True
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        cap = "{}.{}".format(*torch.cuda.get_device_capability(device))
-        if torch.cuda.get_device_capability(device) >= (8, 0):
-            return "O2", torch.bfloat16, f"CUDA compute capability {cap} >= 8.0: bfloat16 units"
-        why = f"CUDA compute capability {cap} < 8.0: no bfloat16 units, float16 + loss scaling"
-        return "O2", torch.float16, why
-    if device.type != "cpu":
-        return "O0", torch.float32, f"no known fast low precision on {device.type}: float32"
-    if cpu_has_fast(torch.bfloat16):
-        return _CPU_AUTO_LEVEL, torch.bfloat16, "this CPU has bfloat16 units"
-    why = "this CPU has no bfloat16 units: bfloat16 would be emulated, far slower than float32"
-    return "O0", torch.float32, why
-
-
-def resolve_level(model: nn.Module, level: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
-    """The concrete ``(level, dtype)`` that ``level`` means for ``model`` (``auto`` decides)."""
-    if level != "auto":
-        return level, dtype
-    level, dtype, reason = choose_auto(_model_device(model))
-    _log.info("auto: level %s, %s: %s", level, dtype, reason)
-    return level, dtype
 
 
 def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int]) -> None:
@@ -216,7 +170,12 @@ def _plan(
     return plan
 
 
-def _default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
+def default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
+    """The loss scale :func:`initialize` gives ``level`` in ``dtype`` when none is passed.
+
+    >>> type(default_loss_scale("O2", torch.bfloat16)).__name__
+    'DynamicLossScale'
+    """
     # O2 is dynamic for both dtypes (the classic O2): with bfloat16 it never backs
     # off on finite gradients and costs nothing more than the finite check every
     # level runs anyway. O1 scales only float16, whose gradients can underflow.
@@ -227,7 +186,7 @@ def _default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
 
 def _check_loss_scale(loss_scale: Any, level: str, dtype: torch.dtype) -> LossScale:
     if loss_scale is None:
-        return _default_loss_scale(level, dtype)
+        return default_loss_scale(level, dtype)
     try:
         return loss_scale_from_spec(loss_scale)
     except (TypeError, ValueError) as err:
@@ -257,6 +216,7 @@ def initialize(
     loss_scale: Any = None,
     white_list: Any = None,
     black_list: Any = None,
+    master_weights: Any = None,
 ) -> tuple[nn.Module, Any]:
     """Prepare ``model`` (in place) and ``optimizer`` for mixed-precision training at ``level``.
 
@@ -267,8 +227,8 @@ def initialize(
             returned wrapped as :class:`mixprec.optim.LossScaleOptimizer` (``None``
             gives ``None``). Use it as ``opt.scale_loss(loss).backward(); opt.step();
             opt.zero_grad()``.
-        level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"`` or ``"auto"`` (table in
-            :mod:`mixprec.amp.levels`).
+        level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"lean"`` or ``"auto"`` (table
+            in :mod:`mixprec.amp.levels`).
         dtype: the low precision, ``torch.float16`` or ``torch.bfloat16``.
         keep_batchnorm_fp32: keep normalisation layers float32; default ``True`` for
             O2, ``False`` for O3; O0/O1 always keep them.
@@ -279,6 +239,12 @@ def initialize(
             white list low, keeping its outputs low, and the black list float32
             wherever it is; O2/O3 run the black list's modules (and any function
             passed in ``black_list``) float32 and, inside them, the white list low.
+        master_weights: what the optimizer steps for the low-precision parameters of O2,
+            O3 and lean (:class:`~mixprec.optim.LossScaleOptimizer`'s option): ``None``
+            the level's own (O2 ``"fp32"``, lean ``"kahan"``, O3 ``False``), or
+            ``"fp32"``/``True``, ``"split"``, ``"kahan"``, ``"stochastic"``, ``False``.
+            ``"split"`` and ``"stochastic"`` need bfloat16. O0/O1 keep float32
+            parameters, so anything but ``None``/``False`` is refused there.
 
     ``auto`` picks level and dtype by the hardware of the model's parameters, whatever
     ``dtype`` says (:func:`choose_auto`; the choice and why go to the ``mixprec.amp``
@@ -296,7 +262,7 @@ def initialize(
         plan <- owners and policies for the level    # see _plan
         store each region's parameters in its param dtype (in place, same Parameters)
         install the hooks (mixprec.amp.cast_hooks); O1: function-cast mode on the root
-        optimizer -> LossScaleOptimizer(optimizer, loss_scale, master_weights=(level == O2))
+        optimizer -> LossScaleOptimizer(optimizer, loss_scale, master_weights)
 
     >>> import torch
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
@@ -307,7 +273,7 @@ def initialize(
     torch.float32
     """
     check_module("model", model)
-    level = _check_level(level)
+    level = check_level_name(level)
     dtype = _check_dtype(dtype)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -323,6 +289,9 @@ def initialize(
     white = check_list("white_list", white_list)
     black = check_list("black_list", black_list)
     level, dtype = resolve_level(model, level, dtype)
+    masters = _check_master_weights(master_weights, level, dtype, optimizer)
+    lean = level == "lean"
+    level = "O3" if lean else level  # lean is O3's casts with compensated updates
     if level in ("O0", "O1") and keep_batchnorm_fp32 is False:
         raise ValueError(
             f"keep_batchnorm_fp32=False with level={level!r}: {level} keeps every normalisation "
@@ -366,12 +335,12 @@ def initialize(
     white_modules, white_functions = split_list(white)
     black_modules, black_functions = split_list(black)
     plan = _plan(model, level, dtype, white_modules, black_modules)
-    if optimizer is not None and level == "O2":
+    if optimizer is not None and masters:
         low = _low_params(model, plan)
         if not any(id(p) in low for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(
-                "O2 keeps float32 master weights of the parameters it stores in low precision, "
-                "but the optimizer holds none of them (all are outside the model or in float32 "
+                f"master_weights={masters!r} ({'lean' if lean else level}) acts on the parameters "
+                "stored in low precision, but the optimizer holds none of them (all are outside the model or in float32 "
                 "layers); build the optimizer from model.parameters()"
             )
     if optimizer is not None and level == "O3" and dtype == torch.float16:
@@ -380,11 +349,40 @@ def initialize(
     claim_tree(model)
     apply_policies(plan)
     root = get_state(model)
-    root.level = level
+    root.level = "lean" if lean else level
     if white_functions or black_functions:
         root.functions = FunctionLists(
             white_functions, black_functions, dtype, keep_outputs=level == "O1"
         )
     if optimizer is None:
         return model, None
-    return model, LossScaleOptimizer(optimizer, loss_scale=scaler, master_weights=level == "O2")
+    return model, LossScaleOptimizer(optimizer, loss_scale=scaler, master_weights=masters)
+
+
+def level_master_weights(level: str) -> str | bool:
+    """The ``master_weights`` mode ``level`` uses by default.
+
+    >>> level_master_weights("O2"), level_master_weights("lean"), level_master_weights("O3")
+    ('fp32', 'kahan', False)
+    """
+    return {"O2": "fp32", "lean": "kahan"}.get(level, False)
+
+
+def _check_master_weights(value: Any, level: str, dtype: torch.dtype, optimizer: Any) -> Any:
+    """The ``master_weights`` mode for ``level``: its default for ``None``, else checked."""
+    if value is None:
+        return level_master_weights(level)
+    mode = master_weight_mode(value)
+    if optimizer is None and mode:
+        raise ValueError(f"master_weights={value!r} needs an optimizer to apply it to")
+    if mode and level in ("O0", "O1"):
+        raise ValueError(
+            f"master_weights={value!r} with level={level!r}: {level} keeps every parameter in "
+            "float32, so there is nothing to keep masters of; use O2, O3 or lean"
+        )
+    if mode in ("split", "stochastic") and dtype != torch.bfloat16:
+        raise ValueError(
+            f"master_weights={value!r} works on bfloat16 parameters, got dtype={dtype}; "
+            "use dtype=torch.bfloat16, or master_weights='fp32'/'kahan' for float16"
+        )
+    return mode

@@ -18,9 +18,7 @@ from typing import Any
 
 import torch
 
-from mixprec._checks import check_choice
-from mixprec.amp import LEVELS
-from mixprec.amp.levels import _default_loss_scale, choose_auto
+from mixprec.amp.levels import check_level_name, choose_auto, default_loss_scale
 from mixprec.dtypes import as_low_precision
 from mixprec.loss_scale import LossScale, loss_scale_from_spec
 
@@ -40,12 +38,7 @@ def require(module: str, extra: str, user: str) -> ModuleType:
 
 def check_level(level: Any, dtype: Any, device: torch.device | str) -> tuple[str, torch.dtype]:
     """The checked ``(level, dtype)``; ``auto`` decides by ``device`` (``amp.choose_auto``)."""
-    if not isinstance(level, str):
-        raise TypeError(
-            f"level must be a str, one of {LEVELS}, got {type(level).__name__} {level!r}"
-        )
-    normal = "auto" if level.strip().lower() == "auto" else level.strip().upper()
-    check_choice("level", normal, LEVELS)
+    normal = check_level_name(level)
     dtype = as_low_precision(dtype, "dtype", hint="the low precision of the level; O0 is float32")
     if normal == "auto":
         normal, dtype, _ = choose_auto(device)
@@ -54,7 +47,7 @@ def check_level(level: Any, dtype: Any, device: torch.device | str) -> tuple[str
 
 def level_loss_scale(spec: Any, level: str, dtype: torch.dtype) -> LossScale:
     """The loss scale ``spec`` names, or the level's own (``amp.initialize``'s rule) for ``None``."""
-    return _default_loss_scale(level, dtype) if spec is None else loss_scale_from_spec(spec)
+    return default_loss_scale(level, dtype) if spec is None else loss_scale_from_spec(spec)
 
 
 def loss_scale_entry(loss_scale: LossScale) -> dict[str, Any]:

@@ -10,7 +10,7 @@ What it does, at the points where Lightning calls a precision plugin::
 
     convert_module(module)    amp.initialize(module, None, level, dtype)   # before DDP wraps it
     connect(optimizers)       each -> LossScaleOptimizer(opt, one shared loss scale,
-                                                         master_weights=(level == "O2"))
+                                                         level_master_weights(level))
     pre_backward(loss)        loss * scale
     optimizer_step(opt)       closure (forward + backward)
                               -> opt.unscale_()                            # true gradients
@@ -41,6 +41,7 @@ import torch
 
 from mixprec import amp
 from mixprec._checks import check_bool
+from mixprec.amp.levels import level_master_weights
 from mixprec.integrations._common import check_level, level_loss_scale, require
 from mixprec.optim import LossScaleOptimizer
 
@@ -59,14 +60,14 @@ def _lightning_name(level: str, dtype: torch.dtype) -> str:
     if level == "O0":
         return "32-true"
     low = "bf16" if dtype == torch.bfloat16 else "16"
-    return f"{low}-true" if level == "O3" else f"{low}-mixed"
+    return f"{low}-true" if level in ("O3", "lean") else f"{low}-mixed"
 
 
 class MixprecPrecision(Precision):
     """Train a LightningModule at a mixprec amp level, with mixprec's loss scaling.
 
     Args:
-        level: ``"O0"``-``"O3"`` or ``"auto"`` (decided by ``device``), as in
+        level: ``"O0"``-``"O3"``, ``"lean"`` or ``"auto"`` (decided by ``device``), as in
             :func:`mixprec.amp.initialize`.
         dtype: ``torch.bfloat16`` or ``torch.float16``.
         loss_scale: ``None`` (the level's own: dynamic at O2 and for float16 O1),
@@ -87,7 +88,7 @@ class MixprecPrecision(Precision):
     >>> MixprecPrecision(level="O5")
     Traceback (most recent call last):
     ...
-    ValueError: level must be one of 'O0', 'O1', 'O2', 'O3', 'auto', got 'O5'
+    ValueError: level must be one of O0, O1, O2, O3, lean, auto, got 'O5'
     """
 
     def __init__(
@@ -147,7 +148,9 @@ class MixprecPrecision(Precision):
                     "during the step, after the plugin has unscaled the gradients"
                 )
         wrapped = [
-            LossScaleOptimizer(opt, self.loss_scale, master_weights=self.level == "O2")
+            LossScaleOptimizer(
+                opt, self.loss_scale, master_weights=level_master_weights(self.level)
+            )
             if any(g["params"] for g in opt.param_groups)
             else opt  # configure_optimizers returned None: Lightning's placeholder
             for opt in optimizers

@@ -49,7 +49,7 @@ class MixprecTrainer(Trainer):
     >>> MixprecTrainer(model=torch.nn.Linear(2, 2), level="O7")
     Traceback (most recent call last):
     ...
-    ValueError: level must be one of 'O0', 'O1', 'O2', 'O3', 'auto', got 'O7'
+    ValueError: level must be one of O0, O1, O2, O3, lean, auto, got 'O7'
     """
 
     def __init__(

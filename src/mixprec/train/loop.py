@@ -46,7 +46,7 @@ from mixprec.train.metrics import build_metric
 
 __all__ = ["Model", "AMP_LEVELS", "resolve_dtype", "resolve_device", "default_low_precision_dtype"]
 
-AMP_LEVELS = ("O0", "O1", "O2", "O3", "auto", "rewrite")
+AMP_LEVELS = ("O0", "O1", "O2", "O3", "lean", "auto", "rewrite")
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -116,7 +116,7 @@ class Model:
             level), or a ``LossScaleOptimizer``; ``None`` for evaluation only.
         metrics: dict ``name -> metric``, or a list of names (``"accuracy"``, ``"loss"``,
             ``"top5"``) or metric objects; default accuracy and loss.
-        amp_level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"auto"``, or ``"rewrite"`` (the
+        amp_level: ``"O0"``-``"O3"``, ``"lean"``, ``"auto"`` (:mod:`mixprec.amp.levels`) or ``"rewrite"`` (the
             graph rewrite, built at the first batch). ``"auto"`` is decided here, by the
             device (:func:`mixprec.amp.levels.choose_auto`): ``amp_level`` (and ``dtype``,
             unless it is O0) then hold what it picked, and ``auto_reason`` says why.
