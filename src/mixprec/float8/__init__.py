@@ -1,0 +1,46 @@
+"""Float8 training: linear layers whose matmuls run in float8 with per-tensor scaling.
+
+The parts: :mod:`~mixprec.float8.scaling` (the scaling recipes, state machines in
+buffers), :mod:`~mixprec.float8.linear` (:class:`Float8Linear`),
+:mod:`~mixprec.float8.convert` (:func:`convert_to_float8` and its report) and
+:mod:`~mixprec.float8.stats` (per-layer amax and saturation). Activations and
+weights are cast to float8_e4m3fn, output gradients to float8_e5m2; all three
+matmuls of a linear layer run through ``torch._scaled_mm``.
+
+>>> import torch
+>>> from torch import nn
+>>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> report = convert_to_float8(model, "delayed", history_len=16)
+>>> report.converted
+['0', '2']
+>>> loss = model(torch.randn(8, 16)).square().mean()
+>>> loss.backward(); opt.step()
+>>> sorted(read_float8_stats(model)["2"])[:4]
+['amax_grad', 'amax_input', 'amax_weight', 'overflows_grad']
+"""
+
+from mixprec.float8.convert import Float8Decision, Float8Report, convert_to_float8
+from mixprec.float8.linear import Float8Linear
+from mixprec.float8.scaling import (
+    DelayedScaling,
+    DynamicScaling,
+    Float8Scaling,
+    as_float8_dtype,
+    make_scaling,
+)
+from mixprec.float8.stats import float8_stats, read_float8_stats
+
+__all__ = [
+    "convert_to_float8",
+    "Float8Report",
+    "Float8Decision",
+    "Float8Linear",
+    "Float8Scaling",
+    "DynamicScaling",
+    "DelayedScaling",
+    "make_scaling",
+    "as_float8_dtype",
+    "float8_stats",
+    "read_float8_stats",
+]
