@@ -42,22 +42,24 @@ hooks and runs the regular layers.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec._checks import check_bool
+from mixprec._checks import check_bool, check_choice
 from mixprec.amp.auto import choose_auto, cpu_has_fast, resolve_level
 from mixprec.amp.cast_hooks import FunctionLists, get_state
+from mixprec.amp.level_plan import low_params, plan_level
 from mixprec.amp.lists import check_list, get_black_list, get_white_list, split_list
-from mixprec.amp.module_policy import _walk_region, apply_policies, check_module, claim_tree
-from mixprec.dtypes import LOW_PRECISION as _LOW
+from mixprec.amp.module_policy import apply_policies, check_module, claim_tree
 from mixprec.dtypes import as_low_precision
+from mixprec.float8 import convert_to_float8
+from mixprec.float8.scaling import RECIPES as FLOAT8_RECIPES
 from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.lean import master_weight_mode
-from mixprec.policy import Policy
 
 __all__ = [
     "initialize",
@@ -69,6 +71,8 @@ __all__ = [
     "choose_auto",
     "cpu_has_fast",
 ]
+
+_log = logging.getLogger("mixprec.amp")
 
 #: The level names :func:`initialize` accepts.
 LEVELS = ("O0", "O1", "O2", "O3", "lean", "auto")
@@ -109,67 +113,6 @@ def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int]) -> Non
             )
 
 
-def _plan(
-    model: nn.Module,
-    level: str,
-    dtype: torch.dtype,
-    white: tuple[type[nn.Module], ...],
-    black: tuple[type[nn.Module], ...],
-) -> list[tuple[nn.Module, Policy, bool]]:
-    """The owners and policies that ``level`` gives ``model`` (no change to the model).
-
-    ::
-
-        r0 <- f32 for O0/O1, low for O2/O3; the root itself listed: flip it as below
-        root <- (param dtype of r0's regions, r0, f32)
-        walk(module, region dtype r):
-            child has a user policy: keep it, skip its subtree
-            r != low and child in white: child <- (p, low, out(low, r)); walk(child, low)
-            (r == low or O1) and child in black: child <- (f32, f32, out(f32, r)); walk(child, f32)
-            else: walk(child, r)
-
-    with ``p`` float32 in O1 (parameters cast on the fly) and ``low`` in O2/O3, and
-    ``out(own, r)`` the child's own dtype in O1 (as ``torch.autocast``: an allow-listed
-    op's output stays low for the next one, a deny-listed op casts up and returns
-    float32) and the region's ``r`` in O2/O3 (the model around the child keeps its dtype).
-    """
-    f32 = torch.float32
-    white_param = f32 if level == "O1" else dtype
-    root_dtype = f32 if level in ("O0", "O1") else dtype
-    root_param = root_dtype
-    # The model may itself be a listed module (amp.initialize(nn.Linear(...)), "O1").
-    if root_dtype != dtype and white and isinstance(model, white):
-        root_dtype, root_param = dtype, white_param
-    elif root_dtype == dtype and black and isinstance(model, black):
-        root_dtype = root_param = f32
-    plan = [
-        (model, Policy(param_dtype=root_param, compute_dtype=root_dtype, output_dtype=f32), False)
-    ]
-
-    def walk(module: nn.Module, region: torch.dtype, seen: set[int]) -> None:
-        for child in module._modules.values():
-            if child is None or id(child) in seen:
-                continue
-            seen.add(id(child))
-            state = get_state(child)
-            if state is not None and state.policy is not None and state.user_policy:
-                continue
-            if region != dtype and white and isinstance(child, white):
-                out = dtype if level == "O1" else region
-                policy = Policy(param_dtype=white_param, compute_dtype=dtype, output_dtype=out)
-                plan.append((child, policy, False))
-                walk(child, dtype, seen)
-            elif (region == dtype or level == "O1") and black and isinstance(child, black):
-                out = f32 if level == "O1" else region
-                plan.append((child, Policy(param_dtype=f32, output_dtype=out), False))
-                walk(child, f32, seen)
-            else:
-                walk(child, region, seen)
-
-    walk(model, root_dtype, {id(model)})
-    return plan
-
-
 def default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
     """The loss scale :func:`initialize` gives ``level`` in ``dtype`` when none is passed.
 
@@ -195,18 +138,6 @@ def _check_loss_scale(loss_scale: Any, level: str, dtype: torch.dtype) -> LossSc
         ) from None
 
 
-def _low_params(model: nn.Module, plan: list[tuple[nn.Module, Policy, bool]]) -> set[int]:
-    """Ids of the parameters the plan stores in low precision."""
-    owners = {id(m) for m, _, _ in plan}
-    owners |= {id(m) for m in model.modules() if (s := get_state(m)) and s.policy is not None}
-    low: set[int] = set()
-    for owner, policy, _ in plan:
-        if policy.param_dtype in _LOW:
-            for module in _walk_region(owner, owners - {id(owner)}):
-                low |= {id(p) for p in module._parameters.values() if p is not None}
-    return low
-
-
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -217,6 +148,7 @@ def initialize(
     white_list: Any = None,
     black_list: Any = None,
     master_weights: Any = None,
+    fp8: bool | str = False,
 ) -> tuple[nn.Module, Any]:
     """Prepare ``model`` (in place) and ``optimizer`` for mixed-precision training at ``level``.
 
@@ -245,6 +177,14 @@ def initialize(
             ``"fp32"``/``True``, ``"split"``, ``"kahan"``, ``"stochastic"``, ``False``.
             ``"split"`` and ``"stochastic"`` need bfloat16. O0/O1 keep float32
             parameters, so anything but ``None``/``False`` is refused there.
+        fp8: run the model's eligible ``nn.Linear`` layers in float8 (forward and both
+            backward matmuls, :mod:`mixprec.float8`) at any level: ``True`` or
+            ``"dynamic"`` (per-tensor scales from the current amax), ``"delayed"``
+            (from an amax history, as Transformer Engine), ``False`` (default). The
+            layers are swapped in place, keeping their Parameters; which ran in float8
+            and why the others did not goes to the ``mixprec.amp`` logger
+            (:func:`mixprec.float8.convert_to_float8` gives the same report). A model
+            with no eligible layer is refused.
 
     ``auto`` picks level and dtype by the hardware of the model's parameters, whatever
     ``dtype`` says (:func:`choose_auto`; the choice and why go to the ``mixprec.amp``
@@ -259,8 +199,9 @@ def initialize(
     Algorithm::
 
         validate every argument                      # a rejected call changes nothing
-        plan <- owners and policies for the level    # see _plan
+        plan <- owners and policies for the level    # see level_plan.plan_level
         store each region's parameters in its param dtype (in place, same Parameters)
+        fp8: swap eligible nn.Linear layers for Float8Linear (same Parameters)
         install the hooks (mixprec.amp.cast_hooks); O1: function-cast mode on the root
         optimizer -> LossScaleOptimizer(optimizer, loss_scale, master_weights)
 
@@ -290,6 +231,7 @@ def initialize(
     black = check_list("black_list", black_list)
     level, dtype = resolve_level(model, level, dtype)
     masters = _check_master_weights(master_weights, level, dtype, optimizer)
+    fp8_recipe = _check_fp8(fp8)
     lean = level == "lean"
     level = "O3" if lean else level  # lean is O3's casts with compensated updates
     if level in ("O0", "O1") and keep_batchnorm_fp32 is False:
@@ -334,9 +276,9 @@ def initialize(
         white = black = ()
     white_modules, white_functions = split_list(white)
     black_modules, black_functions = split_list(black)
-    plan = _plan(model, level, dtype, white_modules, black_modules)
+    plan = plan_level(model, level, dtype, white_modules, black_modules)
     if optimizer is not None and masters:
-        low = _low_params(model, plan)
+        low = low_params(model, plan)
         if not any(id(p) in low for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(
                 f"master_weights={masters!r} ({'lean' if lean else level}) acts on the parameters "
@@ -344,7 +286,15 @@ def initialize(
                 "layers); build the optimizer from model.parameters()"
             )
     if optimizer is not None and level == "O3" and dtype == torch.float16:
-        _check_optimizer_eps(optimizer, _low_params(model, plan))
+        _check_optimizer_eps(optimizer, low_params(model, plan))
+    if fp8_recipe:
+        report = convert_to_float8(model, fp8_recipe)
+        if not report.converted:  # nothing was swapped: the model is as it was
+            raise ValueError(
+                f"fp8={fp8!r}: no linear layer of the model can run in float8\n{report}"
+            )
+        _log.info("%s", report)
+        plan = plan_level(model, level, dtype, white_modules, black_modules)  # the new layers
 
     claim_tree(model)
     apply_policies(plan)
@@ -357,6 +307,17 @@ def initialize(
     if optimizer is None:
         return model, None
     return model, LossScaleOptimizer(optimizer, loss_scale=scaler, master_weights=masters)
+
+
+def _check_fp8(fp8: Any) -> str | None:
+    """The float8 recipe ``fp8`` asks for, or ``None`` for no float8."""
+    if fp8 is False or fp8 is None:
+        return None
+    if fp8 is True:
+        return "dynamic"
+    if not isinstance(fp8, str):
+        raise TypeError(f"fp8 must be a bool or a recipe name, got {type(fp8).__name__} {fp8!r}")
+    return check_choice("fp8", fp8, tuple(FLOAT8_RECIPES), hint="or True for 'dynamic'")
 
 
 def level_master_weights(level: str) -> str | bool:

@@ -173,6 +173,15 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
         "own); 1 is fastest for small models on a busy machine",
     )
     p.add_argument(
+        "--fp8",
+        nargs="?",
+        const="dynamic",
+        default=None,
+        choices=("dynamic", "delayed"),
+        help="run the linear layers whose sizes are multiples of 16 in float8 (forward and "
+        "backward), with per-tensor scales: dynamic (default) or delayed (amax history)",
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="run the network through torch.compile (every level; the first steps compile)",
@@ -288,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--levels",
         default="O0,O1,O2,O3,rewrite",
-        help="comma-separated amp levels, each optionally with +compile "
-        "(e.g. O2,O2+compile; default: %(default)s)",
+        help="comma-separated amp levels, each optionally with +compile and/or +fp8 "
+        "(e.g. O2,O2+compile,O2+fp8; default: %(default)s)",
     )
     _add_training_options(compare, level_default=False)
     compare.add_argument(

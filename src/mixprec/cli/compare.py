@@ -1,8 +1,9 @@
 """``mixprec compare``: train the same model at several amp levels and print one table.
 
 A level may carry options after ``+``: ``O2+compile`` trains O2 under ``torch.compile``
-(``--compile`` compiles every entry), so ``--levels O2,O2+compile`` puts the eager
-and the compiled run side by side.
+(``--compile`` compiles every entry) and ``O2+fp8`` with float8 linear layers (dynamic
+scaling; ``--fp8`` for every entry), so ``--levels O2,O2+compile,O2+fp8`` puts them
+side by side.
 
 Each level trains in a fresh process, so its peak memory is its own and not whatever
 the levels before it left behind. The table (accuracy, loss, median step time, peak
@@ -31,8 +32,9 @@ from mixprec.train.plots import plot_comparison
 __all__ = ["ENTRY_OPTIONS", "parse_entry", "run_compare"]
 
 
-#: What may follow a level after ``+`` in ``--levels``, each the ``mixprec train`` flag.
-ENTRY_OPTIONS = ("compile",)
+#: What may follow a level after ``+`` in ``--levels``: the ``mixprec train`` option
+#: it sets, and the value.
+ENTRY_OPTIONS = {"compile": True, "fp8": "dynamic"}
 
 
 def parse_entry(text: str) -> tuple[str, tuple[str, ...]]:
@@ -55,7 +57,7 @@ def parse_entry(text: str) -> tuple[str, tuple[str, ...]]:
 def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
     """Train one ``--levels`` entry in this (fresh) process and measure it."""
     level, options = parse_entry(entry)
-    args = argparse.Namespace(**{**vars(args), **{option: True for option in options}})
+    args = argparse.Namespace(**{**vars(args), **{o: ENTRY_OPTIONS[o] for o in options}})
     model, train, test, schedule = build_run(args, level)
     reset_peak_rss()  # count this level's training, not the imports before it
     step_times: list[float] = []
@@ -75,6 +77,8 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
     config = model.amp_level
     if model.amp_level != "O0":
         config += f" {str(model.dtype).replace('torch.', '')}"
+    if args.fp8:
+        config += f" fp8-{args.fp8}"
     if args.compile:
         config += " compiled"
     return {

@@ -67,7 +67,7 @@ RUN_FORMAT = "mixprec-run-1"
 #: Checkpoints a run keeps: the newest two, so a corrupt newest one has a fallback.
 KEEP_LAST = 2
 #: Settings a resumed run takes from its folder; a given option must agree with them.
-RESUMED = ("level", "dtype", "loss_scale", "model", "data", "batch_size", "lr", "seed")
+RESUMED = ("level", "dtype", "loss_scale", "model", "data", "batch_size", "lr", "seed", "fp8")
 
 
 def _checkpoints(folder: Path) -> ModelCheckpoint:
@@ -172,15 +172,15 @@ def resume_settings(args: argparse.Namespace, given: set[str]) -> argparse.Names
         )
     saved = read_config(folder)
     for key in RESUMED:
-        if key in given and not _same(key, getattr(args, key), saved[key]):
+        if key in given and not _same(key, getattr(args, key), saved.get(key)):
             flag = "--" + key.replace("_", "-")
             raise UsageError(
                 f"{flag} {getattr(args, key)} contradicts the run in {folder} ({key} "
-                f"{saved[key]}): a resumed run keeps its settings; leave {flag} out, or start "
+                f"{saved.get(key)}): a resumed run keeps its settings; leave {flag} out, or start "
                 "a new run with --out"
             )
     for key in RESUMED:
-        setattr(args, key, saved[key])
+        setattr(args, key, saved.get(key))  # a key newer than the run's format: not used
     args.requested_level = saved["level"]
     args.level = saved.get("amp_level", saved["level"])  # "auto" as it was resolved
     args.data = None if saved["data"] is None else Path(saved["data"])

@@ -33,10 +33,12 @@ from mixprec.cli.run_folder import (
     prepare_out,
     resume_settings,
 )
+from mixprec.float8 import Float8Report, convert_to_float8
 from mixprec.loss_scale import LossScale, ScaleCollapseError, loss_scale_from_spec
 from mixprec.train.callbacks import (
     Callback,
     CSVLogger,
+    Float8Monitor,
     History,
     LRScheduler,
     ModelCheckpoint,
@@ -95,6 +97,22 @@ def _loss_scale(text: str) -> LossScale:
     return loss_scale_from_spec(text if text in ("dynamic", "none") else float(text))
 
 
+def _to_float8(network: torch.nn.Module, args: argparse.Namespace, level: str) -> Float8Report:
+    """``--fp8``: the network's eligible linear layers in float8 (before the amp level)."""
+    if level == "rewrite":
+        raise UsageError(
+            "--fp8 with --level rewrite: the graph rewrite does not place float8 layers; "
+            "use --level O0, O1, O2, O3, lean or auto with --fp8"
+        )
+    report = convert_to_float8(network, args.fp8)
+    if not report.converted:
+        reasons = "; ".join(f"{name}: {why}" for name, why in report.skipped.items())
+        raise UsageError(
+            f"--fp8: no linear layer of --model {args.model} can run in float8 ({reasons})"
+        )
+    return report
+
+
 def build_run(args: argparse.Namespace, level: str):
     """Seeded data, model, Model wrapper and LR schedule for one configuration.
 
@@ -107,6 +125,8 @@ def build_run(args: argparse.Namespace, level: str):
     train = shard_loader(train, args.seed)  # under torchrun: this rank's share
     torch.manual_seed(args.seed)
     network = build_model(args.model, classes, shape)
+    if getattr(args, "fp8", None):
+        args.float8_report = _to_float8(network, args, level)
     optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr)
     steps = args.epochs * len(train)
     schedule = LRScheduler(
@@ -193,11 +213,12 @@ def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         "device": args.device,
         "threads": args.threads,
         "compile": bool(getattr(args, "compile", False)),
+        "fp8": getattr(args, "fp8", None),
     }
 
 
 def _write_results(
-    out: Path, config, model, history, seconds, final, diverged=None, precision=None
+    out: Path, config, model, history, seconds, final, diverged=None, precision=None, float8=None
 ) -> dict:
     opt = model.optimizer
     summary = {
@@ -218,6 +239,8 @@ def _write_results(
     }
     if precision is not None:  # gradient underflow/overflow samples (mixprec.diagnostics)
         summary["precision"] = precision.summary()
+    if float8 is not None:  # per-layer float8 amax, saturation and overflows, per epoch
+        summary["float8"] = float8.summary()
     if not is_main_process():  # under torchrun, rank 0 alone writes
         return summary
     (out / "metrics.json").write_text(json.dumps({"config": config, **summary}, indent=2))
@@ -279,6 +302,13 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     )
     for note in _hardware_notes(model):
         print(note)
+    float8 = None
+    if args.fp8:
+        report = args.float8_report
+        print(f"float8 ({report.recipe}): {', '.join(report.converted)} of the linear layers "
+              f"({len(report.converted)} of {len(report.decisions)}); the others: "
+              + "; ".join(f"{n} ({why})" for n, why in report.skipped.items()))  # fmt: skip
+        float8 = Float8Monitor()
     history = History()
     # Gradient underflow beside the loss scale (sampled every 100 steps, no syncs between).
     low = model.amp_level != "O0" and model.dtype in (torch.float16, torch.bfloat16)
@@ -287,6 +317,7 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     callbacks = [
         _RunStart(out, config, lambda: _relayout(schedule, model.optimizer, args.lr, total_steps)),
         *([precision] if precision is not None else []),
+        *([float8] if float8 is not None else []),
         history,
         schedule,
         ProgressBar(disable=args.quiet),
@@ -299,12 +330,12 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         model.train(args.epochs, train, callbacks=callbacks, resume=checkpoint, eval_dataset=test)
     except DIVERGED as err:
         seconds = time.perf_counter() - t0
-        _write_results(out, config, model, history, seconds, None, str(err), precision)
+        _write_results(out, config, model, history, seconds, None, str(err), precision, float8)
         print(f"wrote metrics.json, loss.png, accuracy.png, loss_scale.png to {out} (diverged)")
         raise
     seconds = time.perf_counter() - t0
     final = model.eval(test)
-    summary = _write_results(out, config, model, history, seconds, final, None, precision)
+    summary = _write_results(out, config, model, history, seconds, final, None, precision, float8)
     print(
         f"test accuracy: {final['accuracy']:.4f}  test loss: {final['loss']:.4f}  "
         f"skipped steps: {summary['skipped_steps']}/{summary['steps']}  "

@@ -34,6 +34,7 @@ epoch: 1 step: 2, loss is 0.5
 
 from mixprec.train.callbacks.base import Callback, CallbackList, RunState, format_loss
 from mixprec.train.callbacks.control import EarlyStopping, LRScheduler, ModelCheckpoint
+from mixprec.train.callbacks.float8 import Float8Monitor
 from mixprec.train.callbacks.monitors import LossMonitor, LossScaleMonitor, ProgressBar
 from mixprec.train.callbacks.precision import PrecisionMonitor
 from mixprec.train.callbacks.records import CSVLogger, History
@@ -46,6 +47,7 @@ __all__ = [
     "LossScaleMonitor",
     "ProgressBar",
     "PrecisionMonitor",
+    "Float8Monitor",
     "History",
     "CSVLogger",
     "EarlyStopping",

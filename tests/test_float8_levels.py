@@ -1,0 +1,196 @@
+"""Float8 where users reach it: ``amp.initialize(..., fp8=)`` at every level, checkpoints,
+``torch.compile``, ``mixprec train --fp8``, ``mixprec compare`` and the epoch metrics."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch import nn
+
+from mixprec import amp
+from mixprec.cli import main
+from mixprec.float8 import Float8Linear, convert_to_float8, read_float8_stats
+
+FAST = ["--quiet", "--threads", "1"]
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    """A small, separable task for the main job: float8 matmuls are slow on a CPU."""
+    import numpy as np
+
+    gen = np.random.default_rng(0)
+    x = gen.normal(size=(120, 16)).astype("float32")
+    path = tmp_path / "small.npz"
+    np.savez(path, x=x, y=(x[:, 0] > 0).astype("int64"))
+    return ["--data", str(path), "--model", "mlp", "--batch-size", "16"]
+LEVELS = ["O0", "O1", "O2", "O3", "lean"]
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 5))
+
+
+def _batches(n: int = 4):
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=gen), torch.randint(0, 5, (8,), generator=gen))
+            for _ in range(n)]  # fmt: skip
+
+
+def _train(net, opt, batches) -> list[float]:
+    losses = []
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(net(x), y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_fp8_at_every_level_trains_and_stays_near_the_level_without_it(level):
+    """The first layer (16x32) runs in float8, the head (32x5) cannot; same Parameters; the
+    first step's loss is the level's own within float8's error (e4m3: 2**-4 relative)."""
+    plain, fp8 = _net(), _net()
+    params = list(fp8.parameters())
+    plain, opt_plain = amp.initialize(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2),
+                                      level, torch.bfloat16)  # fmt: skip
+    fp8, opt = amp.initialize(fp8, torch.optim.AdamW(fp8.parameters(), lr=1e-2), level,
+                              torch.bfloat16, fp8=True)  # fmt: skip
+    assert isinstance(fp8[0], Float8Linear) and type(fp8[3]) is nn.Linear
+    assert all(a is b for a, b in zip(fp8.parameters(), params))
+    batches = _batches(8)
+    ours, theirs = _train(fp8, opt, batches), _train(plain, opt_plain, batches)
+    assert abs(ours[0] - theirs[0]) < 0.05 * theirs[0]
+    assert ours[-1] < ours[0]  # it learns
+    stats = read_float8_stats(fp8)["0"]
+    assert stats["amax_input"] > 0 and stats["amax_grad"] > 0
+    assert stats["saturated_fraction_input"] == 0.0  # dynamic scaling clips nothing
+
+
+def test_fp8_through_initialize_equals_converting_first():
+    a, b = _net(), _net()
+    a, opt_a = amp.initialize(a, torch.optim.SGD(a.parameters(), lr=0.1), "O2", torch.bfloat16,
+                              fp8="delayed")  # fmt: skip
+    convert_to_float8(b, "delayed")
+    b, opt_b = amp.initialize(b, torch.optim.SGD(b.parameters(), lr=0.1), "O2", torch.bfloat16)
+    assert _train(a, opt_a, _batches()) == _train(b, opt_b, _batches())
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize(
+    ("model", "fp8", "error", "words"),
+    [
+        (nn.Sequential(nn.Linear(3, 5)), True, ValueError, ["no linear layer", "in_features=3"]),
+        (None, "fast", ValueError, ["fp8", "'fast'", "'delayed'"]),
+        (None, 1, TypeError, ["fp8", "int"]),
+    ],
+)
+def test_bad_fp8_is_refused_and_changes_nothing(model, fp8, error, words):
+    net = model if model is not None else _net()
+    before = copy.deepcopy(net.state_dict())
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    with pytest.raises(error) as info:
+        amp.initialize(net, opt, "O2", torch.bfloat16, fp8=fp8)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert amp.get_policy(net) is None and not any(isinstance(m, Float8Linear) for m in net.modules())
+    assert net.state_dict().keys() == before.keys()
+    assert all(torch.equal(t, before[k]) for k, t in net.state_dict().items())
+    assert opt.state == {}
+
+
+def test_checkpoint_carries_the_amax_histories_and_resumes_exactly():
+    def fresh():
+        net = _net()
+        return amp.initialize(net, torch.optim.AdamW(net.parameters(), lr=1e-2), "O2",
+                              torch.bfloat16, fp8="delayed")  # fmt: skip
+
+    batches = _batches(6)
+    net, opt = fresh()
+    _train(net, opt, batches)
+    net2, opt2 = fresh()
+    _train(net2, opt2, batches[:3])
+    saved = copy.deepcopy((net2.state_dict(), opt2.state_dict()))
+    assert "0.grad_scaling.amax_history" in saved[0] and saved[0]["0.grad_scaling.amax_history"].any()
+    net3, opt3 = fresh()
+    net3.load_state_dict(saved[0])
+    opt3.load_state_dict(saved[1])
+    _train(net3, opt3, batches[3:])
+    for (name, x), y in zip(net.state_dict().items(), net3.state_dict().values()):
+        assert torch.equal(x, y), name
+
+
+def test_fp8_level_compiles_without_graph_breaks_and_equals_eager():
+    eager, _ = amp.initialize(_net(), None, "O2", torch.bfloat16, fp8="delayed")
+    compiled_net = copy.deepcopy(eager)
+    x = _batches(1)[0][0]
+    dynamo.reset()
+    report = dynamo.explain(lambda t: copy.deepcopy(eager)(t))(x)
+    assert report.graph_break_count == 0, [str(b.reason)[:200] for b in report.break_reasons]
+    compiled = torch.compile(lambda t: compiled_net(t), backend="aot_eager")
+    for _ in range(3):
+        want, got = eager(x), compiled(x)
+        want.sum().backward()
+        got.sum().backward()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for (name, a), b in zip(eager.state_dict().items(), compiled_net.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)  # amax histories too
+    dynamo.reset()
+
+
+def test_cli_fp8_reports_layers_records_stats_and_resumes(tmp_path, capsys, small_data):
+    out = tmp_path / "run"
+    assert main(["train", "--fp8", "delayed", *small_data, "--epochs", "2", "--out", str(out),
+                 *FAST]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "float8 (delayed): layers.1, layers.3" in text and "layers.5 (out_features=2" in text
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["test_accuracy"] > 0.8
+    epochs = metrics["float8"]["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2]
+    assert set(epochs[-1]["layers"]) == {"layers.1", "layers.3"}
+    assert epochs[-1]["layers"]["layers.1"]["amax_grad"] > 0
+    assert json.loads((out / "config.json").read_text())["fp8"] == "delayed"
+    header = (out / "metrics.csv").read_text().splitlines()[0]
+    assert "fp8_saturated" in header and "fp8_overflows" in header
+    checkpoint = torch.load(out / "checkpoints" / "epoch0002.pt", weights_only=False)
+    assert checkpoint["model"]["layers.1.input_scaling.amax_history"].any()
+    # A resumed run keeps float8 and its recipe; another recipe is refused by name.
+    assert main(["train", "--resume", str(out), "--fp8", "dynamic", *FAST]) == 2
+    assert "--fp8 dynamic contradicts" in capsys.readouterr().err
+    assert main(["train", "--resume", str(out), "--epochs", "3", *FAST]) == 0
+    assert len(json.loads((out / "metrics.json").read_text())["float8"]["epochs"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--model", "lenet5"], ["--fp8", "lenet5", "fc1", "not a multiple of 16"]),
+        (["--model", "mlp", "--level", "rewrite"], ["--fp8", "rewrite"]),
+    ],
+)
+def test_cli_fp8_usage_errors(argv, words, tmp_path, capsys):
+    out = tmp_path / "x"
+    assert main(["train", "--fp8", *argv, "--out", str(out), *FAST]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    for word in words:
+        assert word in err, (word, err)
+    assert not out.exists()
+
+
+def test_compare_has_an_fp8_entry(tmp_path, small_data):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--levels", "O2+fp8", *small_data, "--epochs", "2", "--out", str(out),
+                 *FAST]) == 0  # fmt: skip
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["config"] for r in rows] == ["O2 bfloat16 fp8-dynamic"]
+    assert rows[0]["accuracy"] > 0.8
