@@ -8,6 +8,13 @@ optimizer state, masters or buffers), median step time as a ratio to float32 mas
 (``fp32``) in this run, and the final float32-evaluated loss (mean over seeds)::
 
     python -m benchmarks.lean --steps 600 --seeds 5 --out results/lean.json
+
+``--main-job`` instead trains the main job's models (``mixprec compare``: the
+digits, the one-cycle AdamW schedule, default epochs) at O0 (float32), O2 (float32
+masters), O3 (pure bfloat16) and lean (Kahan-compensated bfloat16), several seeds
+each, and reports test accuracy (mean, and each seed) per level::
+
+    python -m benchmarks.lean --main-job --models mlp,lenet5,transformer --seeds 3
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import argparse
 import copy
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -99,6 +108,30 @@ def run(steps: int, seeds: int, lr: float, width: int) -> dict[str, Any]:
     return {"steps": steps, "seeds": seeds, "lr": lr, "width": width, "modes": rows}
 
 
+MAIN_JOB_LEVELS = "O0,O2,O3,lean"
+
+
+def main_job(models: list[str], seeds: int, threads: int) -> dict[str, Any]:
+    """Test accuracy of each level of :data:`MAIN_JOB_LEVELS` per model, over ``seeds``."""
+    from mixprec.cli import main as mixprec_main
+
+    out: dict[str, Any] = {}
+    for model in models:
+        runs: dict[str, list[float]] = {}
+        for seed in range(seeds):
+            with tempfile.TemporaryDirectory() as folder:
+                argv = ["compare", "--levels", MAIN_JOB_LEVELS, "--model", model, "--seed",
+                        str(seed), "--threads", str(threads), "--quiet", "--out", folder]  # fmt: skip
+                if mixprec_main(argv) != 0:
+                    raise RuntimeError(f"mixprec {' '.join(argv)} failed")
+                for row in json.loads((Path(folder) / "compare.json").read_text()):
+                    runs.setdefault(row["config"], []).append(row["accuracy"])
+        out[model] = {
+            level: {"mean": statistics.mean(accs), "per_seed": accs} for level, accs in runs.items()
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
@@ -106,7 +139,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--out", default=None, help="write the results as JSON here too")
+    parser.add_argument("--main-job", action="store_true", help="the main job's models instead")
+    parser.add_argument("--models", default="mlp,lenet5,transformer")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.main_job:
+        result = main_job(args.models.split(","), args.seeds, args.threads)
+        for model, levels in result.items():
+            for level, row in levels.items():
+                seeds = " ".join(f"{a:.4f}" for a in row["per_seed"])
+                print(f"{model:12} {level:18} mean {row['mean']:.4f}   seeds {seeds}")
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     result = run(args.steps, args.seeds, args.lr, args.width)
     print(f"{'mode':14} {'B/param':>8} {'step vs fp32':>13} {'loss mean':>10} {'stdev':>8}")
     for mode, row in result["modes"].items():

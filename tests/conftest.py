@@ -23,3 +23,27 @@ def _restore_torch_threads():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+class MachineWentAway(Exception):
+    """Raised by :func:`dies_after_epoch`'s checkpoint callback."""
+
+
+@pytest.fixture
+def dies_after_epoch(monkeypatch):
+    """``dies_after_epoch(n)``: ``mixprec train`` in this test raises :class:`MachineWentAway`
+    right after writing epoch ``n``'s checkpoint (as if the machine went away); returns
+    the exception type. ``monkeypatch.undo()`` gives the real callback back."""
+    import mixprec.cli.train
+
+    def arm(epoch: int) -> type[Exception]:
+        class DiesAfterEpoch(mixprec.cli.train.ModelCheckpoint):
+            def on_epoch_end(self, state):
+                super().on_epoch_end(state)
+                if state.epoch == epoch:
+                    raise MachineWentAway
+
+        monkeypatch.setattr(mixprec.cli.train, "ModelCheckpoint", DiesAfterEpoch)
+        return MachineWentAway
+
+    return arm

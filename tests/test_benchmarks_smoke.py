@@ -172,3 +172,16 @@ def test_bad_arguments_are_rejected():
     )
     assert proc.returncode == 2
     assert "unknown workload" in proc.stderr
+
+
+@pytest.mark.slow
+def test_compiled_benchmark_smoke_output_is_well_formed(capsys):
+    """``python -m benchmarks.compiled --smoke``: every recipe timed for both models, both
+    targets checked per model (about a minute: six models compile per workload)."""
+    from benchmarks import compiled
+
+    compiled.main(["--smoke"])
+    text = capsys.readouterr().out
+    for recipe in ("autocast", "compile(autocast)", "compile(O1)", "compile(rewrite)"):
+        assert f"| {recipe} |" in text, recipe
+    assert text.count("compile(autocast) |") == 2 and text.count("| transformer |") == 2

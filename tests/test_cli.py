@@ -105,25 +105,12 @@ def test_loss_scale_plot_marks_skipped_steps(tmp_path):
     )
 
 
-class Interrupted(Exception):
-    pass
-
-
-def test_resume_gives_the_same_final_weights(tmp_path, monkeypatch):
+def test_resume_gives_the_same_final_weights(tmp_path, monkeypatch, dies_after_epoch):
     common = ["--epochs", "4", "--model", "mlp", "--batch-size", "128", *FAST]
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["train", "--out", str(full), *common]) == 0
-
-    import mixprec.cli.train
-
-    class DiesAfterEpoch2(mixprec.cli.train.ModelCheckpoint):
-        def on_epoch_end(self, state):
-            super().on_epoch_end(state)
-            if state.epoch == 2:
-                raise Interrupted  # the machine went away after epoch 2's checkpoint
-
-    monkeypatch.setattr(mixprec.cli.train, "ModelCheckpoint", DiesAfterEpoch2)
-    with pytest.raises(Interrupted):
+    interrupted = dies_after_epoch(2)
+    with pytest.raises(interrupted):
         main(["train", "--out", str(part), *common])
     monkeypatch.undo()
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [

@@ -116,27 +116,13 @@ def test_model_trains_at_the_lean_level():
     assert model.eval(loader)["accuracy"] > 0.9
 
 
-class _Interrupted(Exception):
-    pass
-
-
-def test_cli_level_lean_trains_and_resumes_exactly(tmp_path, monkeypatch):
+def test_cli_level_lean_trains_and_resumes_exactly(tmp_path, monkeypatch, dies_after_epoch):
     """``mixprec train --level lean`` records the level; a run that dies after epoch 2 and
     resumes ends with the uninterrupted run's weights and compensation buffers."""
-    import mixprec.cli.train
-
     common = ["--level", "lean", "--model", "mlp", "--batch-size", "128", "--epochs", "3", *FAST]
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["train", "--out", str(full), *common]) == 0
-
-    class DiesAfterEpoch2(mixprec.cli.train.ModelCheckpoint):
-        def on_epoch_end(self, state):
-            super().on_epoch_end(state)
-            if state.epoch == 2:
-                raise _Interrupted
-
-    monkeypatch.setattr(mixprec.cli.train, "ModelCheckpoint", DiesAfterEpoch2)
-    with pytest.raises(_Interrupted):
+    with pytest.raises(dies_after_epoch(2)):
         main(["train", "--out", str(part), *common])
     monkeypatch.undo()
     assert main(["train", "--resume", str(part), *FAST]) == 0
