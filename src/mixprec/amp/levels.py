@@ -281,9 +281,10 @@ def initialize(
         low = low_params(model, plan)
         if not any(id(p) in low for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(
-                f"master_weights={masters!r} ({'lean' if lean else level}) acts on the parameters "
-                "stored in low precision, but the optimizer holds none of them (all are outside the model or in float32 "
-                "layers); build the optimizer from model.parameters()"
+                f"master_weights={masters!r} ({'lean' if lean else level}) acts on the "
+                "parameters stored in low precision, but the optimizer holds none of them "
+                "(all are outside the model or in float32 layers); build the optimizer from "
+                "model.parameters()"
             )
     if optimizer is not None and level == "O3" and dtype == torch.float16:
         _check_optimizer_eps(optimizer, low_params(model, plan))
