@@ -246,3 +246,18 @@ def test_fsdp2_sharded_float8_layers_train_like_one_process():
         start = _fsdp_net().state_dict()[name]
         moved = (net.state_dict()[name] - start).abs().max()
         assert (tensor - net.state_dict()[name]).abs().max() < 0.25 * moved + 1e-6, name
+
+
+def test_the_graph_rewrite_refuses_float8_layers_and_changes_nothing():
+    """Capture would trace through the float8 autograd.Function and lose its backward (the
+    weights would get no gradient), so a converted model is refused, untouched."""
+    from mixprec.rewrite import rewrite
+
+    net = _net()
+    convert_to_float8(net)
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(ValueError, match="float8 layer.*fp8="):
+        rewrite(net, (torch.randn(4, 16),), dtype=torch.bfloat16)
+    assert amp.get_policy(net) is None
+    assert all(torch.equal(t, before[k]) for k, t in net.state_dict().items())
+    net, _ = amp.initialize(net, None, "O2", torch.bfloat16)  # still free for the amp API
