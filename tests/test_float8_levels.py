@@ -174,7 +174,6 @@ def test_cli_fp8_reports_layers_records_stats_and_resumes(tmp_path, capsys, smal
     ("argv", "words"),
     [
         (["--model", "lenet5"], ["--fp8", "lenet5", "fc1", "not a multiple of 16"]),
-        (["--model", "mlp", "--level", "rewrite"], ["--fp8", "rewrite"]),
     ],
 )
 def test_cli_fp8_usage_errors(argv, words, tmp_path, capsys):
@@ -248,16 +247,37 @@ def test_fsdp2_sharded_float8_layers_train_like_one_process():
         assert (tensor - net.state_dict()[name]).abs().max() < 0.25 * moved + 1e-6, name
 
 
-def test_the_graph_rewrite_refuses_float8_layers_and_changes_nothing():
-    """Capture would trace through the float8 autograd.Function and lose its backward (the
-    weights would get no gradient), so a converted model is refused, untouched."""
-    from mixprec.rewrite import rewrite
+def test_the_graph_rewrite_keeps_float8_layers_whole_and_explains_them():
+    """Export would trace through the float8 autograd.Function and lose its backward, so a
+    model with float8 layers is captured by symbolic_trace with each one kept as a call:
+    explain names them (colour float8), the rest is painted as usual, gradients reach
+    every weight and the amax histories advance."""
+    from mixprec import LossScaleOptimizer
+    from mixprec.rewrite import explain, rewrite
 
     net = _net()
-    convert_to_float8(net)
-    before = copy.deepcopy(net.state_dict())
-    with pytest.raises(ValueError, match="float8 layer.*fp8="):
-        rewrite(net, (torch.randn(4, 16),), dtype=torch.bfloat16)
-    assert amp.get_policy(net) is None
-    assert all(torch.equal(t, before[k]) for k, t in net.state_dict().items())
-    net, _ = amp.initialize(net, None, "O2", torch.bfloat16)  # still free for the amp API
+    convert_to_float8(net, "delayed")
+    gm = rewrite(net, (torch.randn(4, 16),), dtype=torch.bfloat16)
+    report = explain(gm)
+    rows = {row.module: row for row in report.rows if row.op == "linear"}
+    assert rows["0"].colour == "float8" and "float8 layer" in rows["0"].reason
+    assert rows["3"].colour == "bfloat16"  # the 32x5 head is an ordinary linear
+    assert report.method == "symbolic_trace"
+    opt = LossScaleOptimizer(torch.optim.AdamW(net.parameters(), lr=1e-2))
+    losses = _train(gm, opt, _batches(8))
+    assert all(p.grad is None for p in net.parameters())  # zero_grad ran; now check a step
+    x, y = _batches(1)[0]
+    nn.functional.cross_entropy(gm(x), y).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.parameters())
+    assert net[0].grad_scaling.amax_history[:2].all()
+    assert losses[-1] < losses[0]
+
+
+def test_cli_rewrite_level_with_fp8_trains(tmp_path, small_data, capsys):
+    out = tmp_path / "rw"
+    assert main(["train", "--level", "rewrite", "--fp8", *small_data, "--epochs", "2",
+                 "--out", str(out), *FAST]) == 0  # fmt: skip
+    assert "float8 (dynamic): layers.1, layers.3" in capsys.readouterr().out
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["test_accuracy"] > 0.8
+    assert metrics["float8"]["epochs"][-1]["layers"]["layers.3"]["amax_grad"] > 0

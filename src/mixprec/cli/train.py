@@ -97,13 +97,8 @@ def _loss_scale(text: str) -> LossScale:
     return loss_scale_from_spec(text if text in ("dynamic", "none") else float(text))
 
 
-def _to_float8(network: torch.nn.Module, args: argparse.Namespace, level: str) -> Float8Report:
+def _to_float8(network: torch.nn.Module, args: argparse.Namespace) -> Float8Report:
     """``--fp8``: the network's eligible linear layers in float8 (before the amp level)."""
-    if level == "rewrite":
-        raise UsageError(
-            "--fp8 with --level rewrite: the graph rewrite does not place float8 layers; "
-            "use --level O0, O1, O2, O3, lean or auto with --fp8"
-        )
     report = convert_to_float8(network, args.fp8)
     if not report.converted:
         reasons = "; ".join(f"{name}: {why}" for name, why in report.skipped.items())
@@ -126,7 +121,7 @@ def build_run(args: argparse.Namespace, level: str):
     torch.manual_seed(args.seed)
     network = build_model(args.model, classes, shape)
     if getattr(args, "fp8", None):
-        args.float8_report = _to_float8(network, args, level)
+        args.float8_report = _to_float8(network, args)
     optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr)
     steps = args.epochs * len(train)
     schedule = LRScheduler(

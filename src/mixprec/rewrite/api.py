@@ -21,7 +21,6 @@ from torch import fx, nn
 from mixprec._api_guard import claim_model, model_api
 from mixprec._checks import check_bool, check_number
 from mixprec.dtypes import as_low_precision
-from mixprec.float8.linear import Float8Linear
 from mixprec.rewrite.capture import capture
 from mixprec.rewrite.casts import apply_plan
 from mixprec.rewrite.lazy import DEFAULT_MAX_CAPTURES, LazyRewrite
@@ -48,14 +47,6 @@ def _check_model(model: Any) -> None:
     if model_api(model) is not None:
         claim_model(model, "rewrite")  # raises: another API, or a second rewrite
     for name, module in model.named_modules():
-        if isinstance(module, Float8Linear):
-            # Capture would trace through its autograd.Function and drop the float8
-            # backward: the weights would silently get no gradient.
-            raise ValueError(
-                f"submodule {name or '(the model)'!r} is a float8 layer; the graph rewrite "
-                "cannot carry float8 layers (capture keeps no custom backward): use "
-                "amp.initialize(model, opt, level, dtype, fp8=...) for float8 training"
-            )
         if name and model_api(module) is not None:
             raise ValueError(
                 f"submodule {name!r} already uses the mixprec {model_api(module)!r} API; only "

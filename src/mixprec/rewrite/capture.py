@@ -5,7 +5,9 @@ Algorithm::
     args = example_inputs as a tuple
     model.train(training)                           # mode constants are tied later
     try:   gm = torch.export.export(model, args, dynamic batch dim, strict=False).module()
-    except: try:   gm = symbolic_trace(model) (nn.Linear / nn.Conv* traced through)
+           (not with float8 layers: each must stay one call, its backward is custom)
+    except: try:   gm = symbolic_trace(model) (nn.Linear / nn.Conv* traced through,
+                                               float8 layers kept as calls)
             except: raise CaptureError(which construct failed in each, what to use instead)
     restore every submodule's previous mode
     drop export's dtype assertions (the rewrite changes dtypes on purpose)
@@ -38,6 +40,7 @@ from torch.export import Dim
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
+from mixprec.float8.linear import Float8Linear
 from mixprec.rewrite.modes import follow_training_mode
 from mixprec.rewrite.nodes import mutated_arg_names
 
@@ -60,6 +63,10 @@ _OWN_DIR = os.path.dirname(os.path.dirname(__file__))
 
 class CaptureError(RuntimeError):
     """Neither ``torch.export`` nor ``torch.fx.symbolic_trace`` could capture the model."""
+
+
+class _KeptWhole(Exception):
+    """The model holds modules that must stay one call each: capture by ``symbolic_trace``."""
 
 
 @dataclasses.dataclass
@@ -141,6 +148,8 @@ def _export(model: nn.Module, args: tuple[Any, ...]) -> fx.GraphModule:
 
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, Float8Linear):
+            return True  # one call: its float8 backward is a custom autograd function
         if isinstance(m, _TRACE_THROUGH):
             return False
         return super().is_leaf_module(m, module_qualified_name)
@@ -239,6 +248,11 @@ def capture(
     try:
         model.train(training)
         try:
+            if any(isinstance(m, Float8Linear) for m in model.modules()):
+                raise _KeptWhole(
+                    "float8 layers stay whole calls, which torch.export cannot keep (it would "
+                    "trace through their custom backward)"
+                )
             gm, method = _export(model, args), "export"
         except Exception as err:  # any failure of export sends us to the fallback
             export_error = err

@@ -25,6 +25,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.rewrite.lazy import LazyRewrite
+from mixprec.rewrite.paint import FLOAT8_REASON
 
 __all__ = ["CastCounter", "ReportRow", "RewriteReport", "count_casts", "explain"]
 
@@ -142,6 +143,8 @@ def explain(graph_module: fx.GraphModule | LazyRewrite) -> RewriteReport:
             continue
         else:
             op, colour, listed = meta["op"], meta["colour"], meta["list"]
+            if meta["reason"].endswith(FLOAT8_REASON):
+                colour = "float8"  # float32 in the graph; its matmuls run in float8
         row = ReportRow(meta["path"], node.name, op, listed, colour, meta["reason"])
         (cast_rows if op == "cast" else rows).append(row)
     rows += cast_rows

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import fx, nn
 
+from mixprec.float8.linear import Float8Linear
 from mixprec.rewrite.lists import AmpLists, check_level
 from mixprec.rewrite.nodes import (
     SHAPE_ONLY,
@@ -110,6 +111,9 @@ def _is_vertex(node: fx.Node, root: nn.Module | None) -> bool:
     return float_outputs(node)
 
 
+#: Why a float8 layer (:class:`mixprec.float8.Float8Linear`) is left as it is.
+FLOAT8_REASON = "float8 layer: casts its input and weight to float8 itself (mixprec.float8)"
+
 # Modules whose kernels take a low-precision input with float32 parameters and
 # running statistics: a call to one can be painted without casting its state.
 _MIXED_DTYPE_MODULES = frozenset({"batch_norm"})
@@ -118,7 +122,10 @@ _MIXED_DTYPE_MODULES = frozenset({"batch_norm"})
 def _blocker(node: fx.Node, root: nn.Module | None, name: str) -> str | None:
     """Why a vertex can never be painted (``None`` when it can)."""
     if node.op == "call_module" and root is not None and name not in _MIXED_DTYPE_MODULES:
-        if _has_float_state(root.get_submodule(str(node.target))):
+        module = root.get_submodule(str(node.target))
+        if isinstance(module, Float8Linear):
+            return FLOAT8_REASON
+        if _has_float_state(module):
             return (
                 "module call with float parameters or buffers inside, which the graph cannot cast"
             )
