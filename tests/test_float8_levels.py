@@ -281,3 +281,26 @@ def test_cli_rewrite_level_with_fp8_trains(tmp_path, small_data, capsys):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["test_accuracy"] > 0.8
     assert metrics["float8"]["epochs"][-1]["layers"]["layers.3"]["amax_grad"] > 0
+
+
+def test_the_precision_report_carries_float8_amax_and_saturation():
+    """``mixprec.diagnose`` runs float8 layers in float8 and reports their statistics from
+    the last batch (the same numbers ``read_float8_stats`` gives), leaving the model's
+    float8 state as it was; the report's JSON round-trips them."""
+    import mixprec
+    from mixprec.diagnostics import PrecisionReport
+
+    net = _net()
+    convert_to_float8(net, "delayed")
+    before = copy.deepcopy(net.state_dict())
+    batches = _batches(3)
+    report = mixprec.diagnose(net, nn.functional.cross_entropy, batches, torch.bfloat16)
+    assert all(torch.equal(t, before[k]) for k, t in net.state_dict().items())
+    assert set(report.float8) == {"0"}
+    replay = copy.deepcopy(net)
+    for x, y in batches:
+        nn.functional.cross_entropy(replay(x), y).backward()
+    assert report.float8["0"] == read_float8_stats(replay)["0"]
+    assert any(line.startswith("float8 layer 0: amax input") for line in report.summary_lines())
+    assert PrecisionReport.from_dict(report.to_dict()).float8 == report.float8
+    assert mixprec.diagnose(_net(), nn.functional.cross_entropy, batches).float8 is None

@@ -37,6 +37,7 @@ from mixprec.diagnostics.histogram import ExponentHistogram
 from mixprec.diagnostics.layers import LayerStats
 from mixprec.diagnostics.report import PrecisionReport
 from mixprec.dtypes import as_low_precision
+from mixprec.float8 import read_float8_stats
 
 __all__ = ["diagnose"]
 
@@ -152,6 +153,9 @@ def diagnose(
     Returns a :class:`~mixprec.diagnostics.PrecisionReport` (``report.layers``,
     ``report.recommended_loss_scale``, ``report.at_risk``, ``print(report)``,
     ``report.save(folder)``). One host sync per histogram at the end; none per batch.
+    A model with float8 layers (:mod:`mixprec.float8`) runs them in float8, and the
+    report carries their amax, scales and saturated fractions from the last batch
+    (``report.float8``); the model's buffers, float8 state included, are restored.
     """
     check_instance("model", model, nn.Module, "a torch.nn.Module")
     if not callable(loss_fn):
@@ -194,6 +198,7 @@ def diagnose(
             loss.reshape(()).float().backward()
             recorder.record_params()
             count += 1
+        float8 = read_float8_stats(model) or None  # before the buffers are restored
     finally:
         recorder.remove()
         for p, grad in saved_grads.items():
@@ -212,4 +217,5 @@ def diagnose(
         margin_bits=margin_bits,
         horizon_bits=horizon_bits,
         batches=count,
+        float8=float8,
     )

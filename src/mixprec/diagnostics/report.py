@@ -53,6 +53,7 @@ __all__ = ["PrecisionReport", "REPORT_JSON", "REPORT_PNG"]
 
 REPORT_JSON = "precision_report.json"
 REPORT_PNG = "precision_report.png"
+_FLOAT8_TENSORS = ("input", "weight", "grad")
 
 
 class PrecisionReport:
@@ -75,6 +76,9 @@ class PrecisionReport:
         inputs: the histogram of the model's floating inputs, if recorded: inputs that
             overflow (or vanish in) the dtype are a data problem no layer setting fixes,
             reported in ``notes``.
+        float8: per float8 layer, :func:`mixprec.float8.read_float8_stats`'s numbers
+            (amax, scale, saturated fraction and overflows of its input, weight and
+            gradient casts), shown under the summary; ``None`` for none.
 
     Attributes: ``layers``, ``recommended_loss_scale`` (a float; 1.0 when no gradient
     fits any scale), ``loss_scale_range`` (``(low, high)`` or ``None``), ``margin``
@@ -94,6 +98,7 @@ class PrecisionReport:
         horizon_bits: int | None = 24,
         batches: int = 0,
         inputs: ExponentCounts | None = None,
+        float8: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
         self.dtype = as_dtype(dtype)
         self.tolerance = check_number("tolerance", tolerance, minimum=0, maximum=1)
@@ -115,6 +120,9 @@ class PrecisionReport:
         if inputs is not None:
             check_instance("inputs", inputs, ExponentCounts, "an ExponentCounts or None")
         self.inputs = inputs
+        if float8 is not None:
+            check_instance("float8", float8, Mapping, "a mapping layer -> statistics, or None")
+        self.float8 = None if float8 is None else {k: dict(v) for k, v in float8.items()}
         self.notes: list[str] = []
         if inputs is not None and (
             reason := scale_free_reason("input", inputs, self.dtype, self.tolerance)
@@ -187,6 +195,13 @@ class PrecisionReport:
                 f"{power(c.lo)}..{power(c.hi)}; margin {below} bits below, {above} above"
             )
         lines += [f"warning: {note}" for note in self.notes]
+        for name, s in (self.float8 or {}).items():
+            lines.append(
+                f"float8 layer {name}: amax input {s['amax_input']:.3g}, weight "
+                f"{s['amax_weight']:.3g}, gradient {s['amax_grad']:.3g}; saturated "
+                + ", ".join(percent(s[f"saturated_fraction_{t}"]) for t in _FLOAT8_TENSORS)
+                + " (input, weight, gradient)"
+            )
         if not self.at_risk:
             lines.append(f"at risk under any single scale: none (everything fits {name_of})")
         else:
@@ -253,6 +268,7 @@ class PrecisionReport:
             "notes": list(self.notes),
             "inputs": None if self.inputs is None else self.inputs.to_dict(),
             "layers": {name: layer.to_dict() for name, layer in self.layers.items()},
+            "float8": self.float8,
         }
 
     @classmethod
@@ -272,6 +288,7 @@ class PrecisionReport:
                 inputs=None
                 if data.get("inputs") is None
                 else ExponentCounts.from_dict(data["inputs"]),
+                float8=data.get("float8"),
             )
         except KeyError as err:
             raise ValueError(f"not a precision report: missing key {err}") from None
