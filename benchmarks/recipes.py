@@ -13,6 +13,8 @@ recipe                    one training step
 GradScaler``              :data:`EXTRA_RECIPES`: built here, timed by the GPU benchmark)
 ``O1``, ``O2``, ``O3``    ``model, opt = mixprec.amp.initialize(model, opt, level, dtype)``;
                           ``opt.scale_loss(loss).backward(); opt.step()``
+``O2+fp8``                O2 with ``fp8=True``: linear layers in float8, dynamic scaling
+                          (in :data:`EXTRA_RECIPES`: timed by the GPU benchmark)
 ``rewrite``               ``model = mixprec.rewrite.rewrite(model, (x,), dtype)``;
                           ``opt = mixprec.LossScaleOptimizer(opt, loss_scale)``
 ========================  =====================================================================
@@ -49,7 +51,7 @@ __all__ = [
 
 RECIPES: tuple[str, ...] = ("fp32", "autocast", "autocast+gradscaler", "O1", "O2", "O3", "rewrite")
 #: Recipes :func:`build_recipe` also builds, which the CPU workloads do not time.
-EXTRA_RECIPES: tuple[str, ...] = ("autocast+mixprec.GradScaler",)
+EXTRA_RECIPES: tuple[str, ...] = ("autocast+mixprec.GradScaler", "O2+fp8")
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -193,10 +195,11 @@ def build_recipe(
         runner = run(model)
         step = _plain_step(runner, inner, device_type, dtype, scaler)
         return Recipe(name, dtype, model, inner, step, _logits(runner, device_type, dtype))
-    if name in ("O1", "O2", "O3"):
+    if name in ("O1", "O2", "O3", "O2+fp8"):
         from mixprec import amp
 
-        model, opt = amp.initialize(model, inner, level=name, dtype=dtype)
+        level, _, fp8 = name.partition("+")
+        model, opt = amp.initialize(model, inner, level=level, dtype=dtype, fp8=fp8 == "fp8")
         runner = run(model)
         step = _scaled_step(runner, opt)
         return Recipe(name, dtype, model, opt, step, _logits(runner, device_type, None))

@@ -39,6 +39,7 @@ EAGER = [
     "autocast+gradscaler fp16",
     "autocast+mixprec.GradScaler fp16",
     "O2 fp16",
+    "O2+fp8 bf16",
 ]
 COMPILED = [f"compile({label})" for label in EAGER if label != "fp32"] + ["compile(fp32)"]
 
