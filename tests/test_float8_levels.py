@@ -304,3 +304,32 @@ def test_the_precision_report_carries_float8_amax_and_saturation():
     assert any(line.startswith("float8 layer 0: amax input") for line in report.summary_lines())
     assert PrecisionReport.from_dict(report.to_dict()).float8 == report.float8
     assert mixprec.diagnose(_net(), nn.functional.cross_entropy, batches).float8 is None
+
+
+@pytest.mark.parametrize("dtypes", [("e4m3", "e4m3"), ("e5m2", "e4m3")])
+def test_the_float32_emulation_computes_what_the_float8_kernel_does(dtypes, monkeypatch):
+    """Where ``torch._scaled_mm`` has no kernel (AVX2-only CPUs, older GPUs) the products are
+    emulated in float32: exact products, so equal to a float64 reference up to float32
+    summation, and to the kernel itself where this machine has one."""
+    from mixprec.float8 import as_float8_dtype, matmul
+
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randn(32, 64, generator=gen) * 8).to(as_float8_dtype(dtypes[0]))
+    b = (torch.randn(48, 64, generator=gen) * 8).to(as_float8_dtype(dtypes[1])).t()
+    sa, sb = torch.tensor(0.25), torch.tensor(3.0)
+    reference = (a.double() @ b.double() * 0.75).float()
+    native = matmul.native_scaled_mm("cpu")
+    monkeypatch.setitem(matmul._PROBED, "cpu", False)
+    emulated = matmul.scaled_mm(a, b, sa, sb, torch.float32)
+    torch.testing.assert_close(emulated, reference, rtol=1e-6, atol=1e-5)
+    if native:
+        kernel = torch._scaled_mm(a, b.t().contiguous().t(), scale_a=sa, scale_b=sb,
+                                  out_dtype=torch.float32)  # fmt: skip
+        torch.testing.assert_close(emulated, kernel, rtol=1e-6, atol=1e-5)
+    # A whole float8 layer on the emulation: its first loss is the float32 model's, within
+    # float8's error, as on the kernel (test_fp8_at_every_level_...).
+    net, plain = _net(), _net()
+    net, opt = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O0", fp8=True)
+    x, y = _batches(1)[0]
+    loss, want = (float(nn.functional.cross_entropy(m(x), y).detach()) for m in (net, plain))
+    assert abs(loss - want) < 0.05 * want

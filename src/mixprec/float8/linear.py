@@ -6,7 +6,8 @@ writes ``y`` in high precision. Backward: the output gradient is cast to
 float8_e5m2 (two more exponent bits: gradients span a wider range) with a third
 scale, then ``grad_x = grad_y @ W`` and ``grad_W = grad_y^T @ x`` are two more
 scaled matmuls against the float8 copies saved by the forward. The bias is added,
-and its gradient computed, in high precision.
+and its gradient computed, in high precision. On a device without a float8 matmul
+the same products are emulated in float32 (:mod:`mixprec.float8.matmul`).
 
 >>> _ = torch.manual_seed(0)
 >>> layer = Float8Linear(32, 16, recipe="delayed", history_len=4)
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import as_dtype
+from mixprec.float8.matmul import scaled_mm
 from mixprec.float8.scaling import Float8Scaling, make_scaling
 
 __all__ = ["Float8Linear"]
@@ -72,7 +74,7 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.save_for_backward(x8, x_inv, w8, w_inv)
         ctx.grad_scaling = grad_scaling
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        return torch._scaled_mm(x8, w8.t(), scale_a=x_inv, scale_b=w_inv, out_dtype=out_dtype)
+        return scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -80,14 +82,10 @@ class _Float8Matmul(torch.autograd.Function):
         g8, g_inv = ctx.grad_scaling.cast(grad_y.contiguous())
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._scaled_mm(
-                g8, _column_major(w8), scale_a=g_inv, scale_b=w_inv, out_dtype=ctx.x_dtype
-            )
+            grad_x = scaled_mm(g8, _column_major(w8), g_inv, w_inv, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = torch._scaled_mm(
-                _pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)),
-                scale_a=g_inv, scale_b=x_inv, out_dtype=ctx.w_dtype,
-            )  # fmt: skip
+            grad_w = scaled_mm(_pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)),
+                               g_inv, x_inv, ctx.w_dtype)  # fmt: skip
         return grad_x, grad_w, None, None, None, None, None, None
 
 

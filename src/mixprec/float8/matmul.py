@@ -1,0 +1,67 @@
+"""The scaled float8 matmul: ``torch._scaled_mm`` where the device has it, else emulated.
+
+``torch._scaled_mm`` needs float8 matmul support from the device: GPUs with float8
+units (compute capability 8.9 and up) and CPUs whose oneDNN build has a float8
+kernel (AVX512 and AMX machines; an AVX2-only CPU has none and raises). Where it
+is missing, :func:`scaled_mm` computes the same thing from the same float8 inputs:
+every product of two float8 values is exact in float32 (at most 4 x 4 significant
+bits), so the emulation differs from the kernel only in the order of the float32
+sums. It is as accurate and no faster than float32: float8's numerics everywhere,
+its speed only where the hardware has it.
+
+>>> a = torch.tensor([[1.0, 2.0]]).to(torch.float8_e4m3fn)
+>>> b = torch.tensor([[3.0], [0.5]]).to(torch.float8_e4m3fn)
+>>> one = torch.tensor(1.0)
+>>> scaled_mm(a, b, one, torch.tensor(2.0), torch.float32)
+tensor([[8.]])
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["native_scaled_mm", "scaled_mm"]
+
+
+_PROBED: dict[str, bool] = {}
+
+
+# A constant to torch.compile: the probe runs at trace time, not in the graph.
+@torch._dynamo.assume_constant_result
+def native_scaled_mm(device_type: str) -> bool:
+    """Whether ``torch._scaled_mm`` runs on this kind of device (probed once, cached).
+
+    >>> native_scaled_mm("cpu") in (True, False)
+    True
+    """
+    if device_type not in _PROBED:
+        _PROBED[device_type] = _probe(device_type)
+    return _PROBED[device_type]
+
+
+def _probe(device_type: str) -> bool:
+    device = torch.device(device_type)
+    a = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+    one = torch.ones((), device=device)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):  # no float8 kernel for this device
+        return False
+    return True
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a @ b) * scale_a * scale_b`` in ``out_dtype``, from float8 ``a`` and ``b``.
+
+    ``torch._scaled_mm`` where :func:`native_scaled_mm` says the device has it (then ``b``
+    must be column-major, as that kernel wants), else the float32 emulation above.
+    """
+    if native_scaled_mm(a.device.type):
+        return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return (a.float() @ b.float() * (scale_a * scale_b)).to(out_dtype)
