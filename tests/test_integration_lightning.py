@@ -53,11 +53,18 @@ def make_loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
 
 
-def reference(accumulate: int = 1, level: str = "O2"):
+def make_net8() -> nn.Module:
+    """The middle layer (32 -> 16) can run in float8; 8 -> 32 and 16 -> 4 cannot."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def reference(accumulate: int = 1, level: str = "O2", make=make_net, fp8=False):
     """mixprec's own loop: scale, backward, unscale, clip, step (skipped on overflow)."""
-    net = make_net()
+    net = make()
     sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
-    net, opt = amp.initialize(net, sgd, level, torch.bfloat16, loss_scale=make_loss_scale())
+    net, opt = amp.initialize(net, sgd, level, torch.bfloat16, loss_scale=make_loss_scale(),
+                              fp8=fp8)  # fmt: skip
     batches = list(make_loader())
     scales, norms = [], []
     for _ in range(EPOCHS):
@@ -74,9 +81,9 @@ def reference(accumulate: int = 1, level: str = "O2"):
 
 
 class Toy(L.LightningModule):
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, make=make_net) -> None:
         super().__init__()
-        self.net = make_net()
+        self.net = make()
         self.automatic_optimization = not manual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,9 +127,10 @@ class Recorder(Logger):
         self.metrics.append(dict(metrics))
 
 
-def fit(module, tmp_path, ckpt_path=None, callbacks=(), level="O2", **trainer_args):
+def fit(module, tmp_path, ckpt_path=None, callbacks=(), level="O2", fp8=False, **trainer_args):
     recorder = Recorder()
-    plugin = MixprecPrecision(level=level, dtype=torch.bfloat16, loss_scale=make_loss_scale())
+    plugin = MixprecPrecision(level=level, dtype=torch.bfloat16, loss_scale=make_loss_scale(),
+                              fp8=fp8)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_epochs=EPOCHS, plugins=[plugin], logger=recorder,
         log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
@@ -171,7 +179,7 @@ def test_automatic_optimization_matches_mixprecs_loop_and_resumes_exactly(tmp_pa
 
     # Resume from the end of the first epoch in a fresh process state: same end point.
     first_epoch = torch.load(next(tmp_path.glob("ckpt/epoch=0*.ckpt")), weights_only=False)
-    assert first_epoch["MixprecPrecision"] == {"level": "O2", "dtype": "torch.bfloat16"}
+    assert first_epoch["MixprecPrecision"] == {"level": "O2", "dtype": "torch.bfloat16", "fp8": None}
     assert "mixprec" in first_epoch["optimizer_states"][0]
     resumed = Toy()
     path = str(next(tmp_path.glob("ckpt/epoch=0*.ckpt")))
@@ -204,6 +212,20 @@ def test_the_lean_level_matches_mixprecs_loop(tmp_path):
     assert_same_run(module, trainer, run)
 
 
+def test_float8_layers_match_mixprecs_loop(tmp_path):
+    """``fp8="delayed"``: the eligible layer runs in float8 under Lightning exactly as in
+    mixprec's own loop (weights, masters, scale and amax histories bit for bit)."""
+    from mixprec.float8 import Float8Linear
+
+    module, run = Toy(make=make_net8), reference(make=make_net8, fp8="delayed")
+    trainer, plugin, _ = fit(module, tmp_path, fp8="delayed", gradient_clip_val=CLIP)
+    assert isinstance(module.net[2], Float8Linear) and type(module.net[0]) is nn.Linear
+    assert plugin.state_dict()["fp8"] == "delayed"
+    assert_same_run(module, trainer, run)
+    history = module.net[2].grad_scaling.amax_history
+    assert history.any() and torch.equal(history, run[0][2].grad_scaling.amax_history)
+
+
 def test_a_loss_scale_optimizer_from_configure_optimizers_is_refused():
     plugin = MixprecPrecision(level="O1", dtype=torch.bfloat16)
     net = plugin.convert_module(make_net())
@@ -214,8 +236,11 @@ def test_a_loss_scale_optimizer_from_configure_optimizers_is_refused():
 
 def test_resuming_at_another_level_is_refused_before_anything_loads():
     saved = MixprecPrecision(level="O2", dtype=torch.bfloat16).state_dict()
-    with pytest.raises(ValueError, match="level O2 in torch.bfloat16; this plugin is level O1"):
+    with pytest.raises(ValueError, match="level O2 in torch.bfloat16 with fp8=None; this plugin "
+                       "is level O1"):  # fmt: skip
         MixprecPrecision(level="O1", dtype=torch.bfloat16).load_state_dict(saved)
+    with pytest.raises(ValueError, match="this plugin is level O2 in torch.bfloat16 with fp8='dy"):
+        MixprecPrecision(level="O2", dtype=torch.bfloat16, fp8=True).load_state_dict(saved)
 
 
 @pytest.mark.parametrize(
@@ -227,6 +252,7 @@ def test_resuming_at_another_level_is_refused_before_anything_loads():
         ({"loss_scale": -1.0}, ValueError, "loss_scale"),
         ({"log_metrics": "yes"}, TypeError, "log_metrics must be True or False"),
         ({"device": 0}, TypeError, "device must be a str or torch.device"),
+        ({"fp8": "fast"}, ValueError, "fp8 must be one of 'dynamic', 'delayed'"),
     ],
 )
 def test_bad_arguments_are_clear_errors(kwargs, error, match):

@@ -64,6 +64,7 @@ from mixprec.optim.lean import master_weight_mode
 __all__ = [
     "initialize",
     "LEVELS",
+    "check_fp8",
     "check_level_name",
     "default_loss_scale",
     "level_master_weights",
@@ -231,7 +232,7 @@ def initialize(
     black = check_list("black_list", black_list)
     level, dtype = resolve_level(model, level, dtype)
     masters = _check_master_weights(master_weights, level, dtype, optimizer)
-    fp8_recipe = _check_fp8(fp8)
+    fp8_recipe = check_fp8(fp8)
     lean = level == "lean"
     level = "O3" if lean else level  # lean is O3's casts with compensated updates
     if level in ("O0", "O1") and keep_batchnorm_fp32 is False:
@@ -310,8 +311,12 @@ def initialize(
     return model, LossScaleOptimizer(optimizer, loss_scale=scaler, master_weights=masters)
 
 
-def _check_fp8(fp8: Any) -> str | None:
-    """The float8 recipe ``fp8`` asks for, or ``None`` for no float8."""
+def check_fp8(fp8: Any) -> str | None:
+    """The float8 recipe ``fp8`` asks for (``True`` is ``"dynamic"``), or ``None`` for none.
+
+    >>> check_fp8(True), check_fp8("delayed"), check_fp8(False)
+    ('dynamic', 'delayed', None)
+    """
     if fp8 is False or fp8 is None:
         return None
     if fp8 is True:

@@ -41,7 +41,7 @@ import torch
 
 from mixprec import amp
 from mixprec._checks import check_bool
-from mixprec.amp.levels import level_master_weights
+from mixprec.amp.levels import check_fp8, level_master_weights
 from mixprec.integrations._common import check_level, level_loss_scale, require
 from mixprec.optim import LossScaleOptimizer
 
@@ -75,6 +75,8 @@ class MixprecPrecision(Precision):
             (e.g. ``DynamicLossScale(min_scale=..., hysteresis=2)``). Every optimizer
             shares it, as they share Lightning's one ``GradScaler``.
         device: where ``auto`` looks for fast low precision (default: CUDA if available).
+        fp8: float8 linear layers, as ``amp.initialize(..., fp8=)``: ``True`` or
+            ``"dynamic"``, ``"delayed"``, or ``False`` (default).
         log_metrics: log ``mixprec/loss_scale`` and ``mixprec/skipped_steps`` at every
             optimizer step through ``LightningModule.log`` (Lightning's loggers write
             them every ``log_every_n_steps``).
@@ -98,9 +100,11 @@ class MixprecPrecision(Precision):
         loss_scale: Any = None,
         *,
         device: torch.device | str | None = None,
+        fp8: bool | str = False,
         log_metrics: bool = True,
     ) -> None:
         check_bool("log_metrics", log_metrics)
+        self.fp8 = check_fp8(fp8)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if not isinstance(device, (str, torch.device)):
@@ -124,7 +128,7 @@ class MixprecPrecision(Precision):
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Apply the level to ``module`` in place (once; later runs of the Trainer reuse it)."""
         if module not in self._converted:
-            amp.initialize(module, None, self.level, self.dtype)
+            amp.initialize(module, None, self.level, self.dtype, fp8=self.fp8 or False)
             self._converted.add(module)
         return module
 
@@ -234,14 +238,16 @@ class MixprecPrecision(Precision):
     # -- checkpoints -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The level and dtype, checked on resume (the loss scale is in the optimizer states)."""
-        return {"level": self.level, "dtype": str(self.dtype)}
+        """Level, dtype and float8 recipe, checked on resume (the loss scale is in the
+        optimizer states, the float8 scaling state in the model's)."""
+        return {"level": self.level, "dtype": str(self.dtype), "fp8": self.fp8}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = (state_dict.get("level"), state_dict.get("dtype"))
-        if saved != (self.level, str(self.dtype)):
+        saved = (state_dict.get("level"), state_dict.get("dtype"), state_dict.get("fp8"))
+        if saved != (self.level, str(self.dtype), self.fp8):
             raise ValueError(
                 f"the checkpoint was trained with MixprecPrecision at level {saved[0]} in "
-                f"{saved[1]}; this plugin is level {self.level} in {self.dtype}. Resume with "
-                "the same level and dtype (the optimizer state holds float32 masters only at O2)"
+                f"{saved[1]} with fp8={saved[2]!r}; this plugin is level {self.level} in "
+                f"{self.dtype} with fp8={self.fp8!r}. Resume with the same level, dtype and fp8 "
+                "(the optimizer state holds float32 masters only at O2)"
             )
