@@ -86,6 +86,7 @@ PRIORITY: tuple[tuple[str, torch.dtype], ...] = (
     ("autocast+mixprec.GradScaler", torch.float16),
     ("O2", torch.float16),
     ("O2+fp8", torch.bfloat16),  # float8 linear layers (the float8 issue's GPU row)
+    ("lean", torch.bfloat16),  # Kahan-compensated bfloat16, 8 bytes/param with AdamW
 )
 
 

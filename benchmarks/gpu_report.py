@@ -19,7 +19,9 @@ from typing import Any
 __all__ = ["MIXPREC_RECIPES", "annotate", "check_targets", "render_markdown"]
 
 #: The recipes that are mixprec's (the rest are torch's own, the anchors).
-MIXPREC_RECIPES = ("O1", "O2", "O3", "rewrite", "autocast+mixprec.GradScaler", "O2+fp8")
+MIXPREC_RECIPES = (
+    "O1", "O2", "O3", "rewrite", "autocast+mixprec.GradScaler", "O2+fp8", "lean",
+)  # fmt: skip
 MFU_AIM = 0.5
 NA_CPU = "n/a on CPU"
 

@@ -15,6 +15,8 @@ GradScaler``              :data:`EXTRA_RECIPES`: built here, timed by the GPU be
                           ``opt.scale_loss(loss).backward(); opt.step()``
 ``O2+fp8``                O2 with ``fp8=True``: linear layers in float8, dynamic scaling
                           (in :data:`EXTRA_RECIPES`: timed by the GPU benchmark)
+``lean``                  the lean level: O3 with Kahan-compensated updates (in
+                          :data:`EXTRA_RECIPES`: timed by the GPU benchmark)
 ``rewrite``               ``model = mixprec.rewrite.rewrite(model, (x,), dtype)``;
                           ``opt = mixprec.LossScaleOptimizer(opt, loss_scale)``
 ========================  =====================================================================
@@ -51,7 +53,7 @@ __all__ = [
 
 RECIPES: tuple[str, ...] = ("fp32", "autocast", "autocast+gradscaler", "O1", "O2", "O3", "rewrite")
 #: Recipes :func:`build_recipe` also builds, which the CPU workloads do not time.
-EXTRA_RECIPES: tuple[str, ...] = ("autocast+mixprec.GradScaler", "O2+fp8")
+EXTRA_RECIPES: tuple[str, ...] = ("autocast+mixprec.GradScaler", "O2+fp8", "lean")
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -195,7 +197,7 @@ def build_recipe(
         runner = run(model)
         step = _plain_step(runner, inner, device_type, dtype, scaler)
         return Recipe(name, dtype, model, inner, step, _logits(runner, device_type, dtype))
-    if name in ("O1", "O2", "O3", "O2+fp8"):
+    if name in ("O1", "O2", "O3", "O2+fp8", "lean"):
         from mixprec import amp
 
         level, _, fp8 = name.partition("+")

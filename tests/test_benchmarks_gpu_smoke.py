@@ -40,6 +40,7 @@ EAGER = [
     "autocast+mixprec.GradScaler fp16",
     "O2 fp16",
     "O2+fp8 bf16",
+    "lean bf16",
 ]
 COMPILED = [f"compile({label})" for label in EAGER if label != "fp32"] + ["compile(fp32)"]
 
