@@ -224,6 +224,7 @@ def _fsdp_batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
 
 
+@pytest.mark.slow  # two processes; FSDP2 itself is covered by test_distributed_fsdp.py
 def test_fsdp2_sharded_float8_layers_train_like_one_process():
     """FSDP2 gathers each float8 layer's weight before its forward, so the casts see the
     whole weight: both ranks end with the same parameters, within float8's error of one

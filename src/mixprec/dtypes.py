@@ -24,6 +24,8 @@ __all__ = [
     "as_dtype",
     "as_low_precision",
     "short_name",
+    "FLOAT8_NAMES",
+    "as_float8_dtype",
 ]
 
 #: Every accepted spelling of a floating dtype; the first for each dtype is its short name.
@@ -108,3 +110,29 @@ def low_precision_of(tensors: Any, default: torch.dtype = torch.float16) -> torc
     torch.float16
     """
     return next((t.dtype for t in tensors if t.dtype in LOW_PRECISION), default)
+
+
+#: Accepted spellings of the two float8 formats.
+FLOAT8_NAMES: dict[str, torch.dtype] = {
+    "e4m3": torch.float8_e4m3fn,
+    "e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def as_float8_dtype(value: Any, what: str = "fp8_dtype") -> torch.dtype:
+    """``value`` (``torch.float8_e4m3fn``/``torch.float8_e5m2`` or a name) as a dtype.
+
+    >>> as_float8_dtype("e5m2")
+    torch.float8_e5m2
+    """
+    if isinstance(value, str) and value.strip().lower() in FLOAT8_NAMES:
+        return FLOAT8_NAMES[value.strip().lower()]
+    if isinstance(value, torch.dtype) and value in FLOAT8_NAMES.values():
+        return value
+    raise ValueError(
+        f"{what} must be torch.float8_e4m3fn or torch.float8_e5m2 (or a name such as "
+        f"'e4m3'), got {value!r}; use 'e4m3' for activations and weights, 'e5m2' for gradients"
+    )

@@ -48,12 +48,12 @@ from mixprec.diagnostics.histogram import ExponentCounts
 from mixprec.diagnostics.layers import GRADIENTS, LayerStats
 from mixprec.diagnostics.scales import ScaleChoice
 from mixprec.dtypes import as_dtype
+from mixprec.float8.stats import TENSORS as FLOAT8_TENSORS
 
 __all__ = ["PrecisionReport", "REPORT_JSON", "REPORT_PNG"]
 
 REPORT_JSON = "precision_report.json"
 REPORT_PNG = "precision_report.png"
-_FLOAT8_TENSORS = ("input", "weight", "grad")
 
 
 class PrecisionReport:
@@ -199,7 +199,7 @@ class PrecisionReport:
             lines.append(
                 f"float8 layer {name}: amax input {s['amax_input']:.3g}, weight "
                 f"{s['amax_weight']:.3g}, gradient {s['amax_grad']:.3g}; saturated "
-                + ", ".join(percent(s[f"saturated_fraction_{t}"]) for t in _FLOAT8_TENSORS)
+                + ", ".join(percent(s[f"saturated_fraction_{t}"]) for t in FLOAT8_TENSORS)
                 + " (input, weight, gradient)"
             )
         if not self.at_risk:

@@ -33,33 +33,9 @@ import torch
 from torch import nn
 
 from mixprec._checks import check_bool, check_choice, check_instance, check_number
+from mixprec.dtypes import FLOAT8_NAMES, as_float8_dtype
 
-__all__ = ["Float8Scaling", "DynamicScaling", "DelayedScaling", "as_float8_dtype", "make_scaling"]
-
-#: Accepted spellings of the two float8 formats.
-FLOAT8_NAMES: dict[str, torch.dtype] = {
-    "e4m3": torch.float8_e4m3fn,
-    "e4m3fn": torch.float8_e4m3fn,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "e5m2": torch.float8_e5m2,
-    "float8_e5m2": torch.float8_e5m2,
-}
-
-
-def as_float8_dtype(value: Any, what: str = "fp8_dtype") -> torch.dtype:
-    """``value`` (``torch.float8_e4m3fn``/``torch.float8_e5m2`` or a name) as a dtype.
-
-    >>> as_float8_dtype("e5m2")
-    torch.float8_e5m2
-    """
-    if isinstance(value, str) and value.strip().lower() in FLOAT8_NAMES:
-        return FLOAT8_NAMES[value.strip().lower()]
-    if isinstance(value, torch.dtype) and value in FLOAT8_NAMES.values():
-        return value
-    raise ValueError(
-        f"{what} must be torch.float8_e4m3fn or torch.float8_e5m2 (or a name such as "
-        f"'e4m3'), got {value!r}; use 'e4m3' for activations and weights, 'e5m2' for gradients"
-    )
+__all__ = ["Float8Scaling", "DynamicScaling", "DelayedScaling", "as_float8_dtype", "make_scaling"]  # as_float8_dtype: from mixprec.dtypes
 
 
 class Float8Scaling(nn.Module):

@@ -18,14 +18,15 @@ from torch import nn
 from mixprec._checks import check_instance
 from mixprec.float8.linear import Float8Linear
 
-__all__ = ["float8_stats", "read_float8_stats", "STAT_NAMES"]
+__all__ = ["float8_stats", "read_float8_stats", "STAT_NAMES", "TENSORS"]
 
-#: Which tensor of a layer each statistic describes, by scaling attribute.
-_TENSORS = {"input": "input_scaling", "weight": "weight_scaling", "grad": "grad_scaling"}
+#: The three tensors of a layer each statistic describes, and the scaling that casts each.
+TENSORS = ("input", "weight", "grad")
+_SCALINGS = {tensor: f"{tensor}_scaling" for tensor in TENSORS}
 #: The statistics reported for each of a layer's three tensors.
 STAT_NAMES = tuple(
     f"{stat}_{tensor}"
-    for tensor in _TENSORS
+    for tensor in TENSORS
     for stat in ("amax", "scale", "saturated_fraction", "overflows")
 )
 
@@ -45,7 +46,7 @@ def float8_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
         if not isinstance(module, Float8Linear):
             continue
         layer = {}
-        for tensor, attribute in _TENSORS.items():
+        for tensor, attribute in _SCALINGS.items():
             scaling = getattr(module, attribute)
             layer[f"amax_{tensor}"] = scaling.amax.detach().clone()
             layer[f"scale_{tensor}"] = scaling.scale.detach().clone()

@@ -28,11 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 from mixprec.float8 import read_float8_stats
+from mixprec.float8.stats import TENSORS
 from mixprec.train.callbacks.base import Callback, RunState
 
 __all__ = ["Float8Monitor"]
-
-_TENSORS = ("input", "weight", "grad")
 
 
 class Float8Monitor(Callback):
@@ -56,10 +55,10 @@ class Float8Monitor(Callback):
             )
         layers = stats.values()
         state.metrics["fp8_saturated"] = max(
-            layer[f"saturated_fraction_{t}"] for layer in layers for t in _TENSORS
+            layer[f"saturated_fraction_{t}"] for layer in layers for t in TENSORS
         )
         state.metrics["fp8_overflows"] = sum(
-            layer[f"overflows_{t}"] for layer in layers for t in _TENSORS
+            layer[f"overflows_{t}"] for layer in layers for t in TENSORS
         )
         self.records.append({"epoch": state.epoch, "layers": stats})
 
