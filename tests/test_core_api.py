@@ -316,18 +316,20 @@ def test_load_of_another_kind_of_scale_raises_and_changes_nothing():
     model, batches = model_and_data()
     opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), 128.0)
     before = snapshot(model, opt)
-    with pytest.raises(ValueError, match="DynamicLossScale"):
+    with pytest.raises(ValueError, match="loss scale is 'dynamic', this one is 'static'"):
         opt.load_state_dict(saved.state_dict())
     assert equal(snapshot(model, opt), before) and float(opt.loss_scale) == 128.0
 
 
-def test_the_010_layout_still_loads():
+def test_a_state_dict_without_torchs_keys_is_refused_and_changes_nothing():
     _, saved, _ = trained()
     sd = saved.state_dict()
-    old = {"inner": {"state": sd["state"], "param_groups": sd["param_groups"]}, **sd["mixprec"]}
-    _, opt, _ = trained(steps=0)
-    opt.load_state_dict(old)
-    assert torch.equal(opt.loss_scale, saved.loss_scale)
+    nested = {"inner": {"state": sd["state"], "param_groups": sd["param_groups"]}, **sd["mixprec"]}
+    model, opt, _ = trained(steps=0)
+    before = snapshot(model, opt)
+    with pytest.raises(ValueError, match="expected the keys 'state' and 'param_groups'"):
+        opt.load_state_dict(nested)
+    assert equal(snapshot(model, opt), before)
 
 
 def test_distributed_checkpoint_state_dict_round_trip():

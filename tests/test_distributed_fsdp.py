@@ -168,7 +168,7 @@ def accumulate_fsdp2(rank: int, micro: int = 3, windows: int = 2) -> dict:
 
 
 def refusals() -> dict:
-    from mixprec.optim.distributed_checkpoint import CheckpointState
+    from mixprec.optim._distributed_checkpoint import CheckpointState
 
     found = {}
     net = fsdp1()
@@ -193,7 +193,7 @@ def resume(rank: int, build, dtype, options: dict, folder: str) -> dict:
     """Save after 3 steps with DCP, go on 3 steps; a fresh run loads and goes on the same 3."""
     import torch.distributed.checkpoint as dcp
 
-    from mixprec.optim.distributed_checkpoint import CheckpointState
+    from mixprec.optim._distributed_checkpoint import CheckpointState
 
     def step_batch(step):
         return batch(rank, step, dtype)

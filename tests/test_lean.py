@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim.lean import stochastic_round
-from mixprec.optim.split_masters import join_bits, split_bits
+from mixprec.optim._masters import join_bits, split_bits, stochastic_round
 from mixprec.tools.memory import live_tensor_bytes
 
 MODES = ["kahan", "stochastic"]

@@ -215,7 +215,8 @@ def test_load_state_dict_rejects_foreign_state_and_changes_nothing():
         ls.load_state_dict(StaticLossScale(8.0).state_dict())
     with pytest.raises(ValueError, match="one-element"):
         ls.load_state_dict(
-            {"scale": torch.ones(2), "counter": torch.tensor(0), "inf_streak": torch.tensor(0)}
+            {"scale": torch.ones(2), "counter": torch.tensor(0), "inf_streak": torch.tensor(0),
+             "floor_streak": torch.tensor(0)}  # fmt: skip
         )
     assert all(torch.equal(before[k], v) for k, v in ls.state_dict().items())
     with pytest.raises(ValueError, match="does not take"):

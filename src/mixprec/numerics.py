@@ -1,4 +1,5 @@
-"""Fused numerical kernels on lists of tensors: unscale + finite check, norms.
+"""Fused numerical kernels on lists of tensors: unscale + finite check, norms; and the
+kinds of tensor they meet (DTensor parameters of FSDP2, FSDP1 flat shards).
 
 Everything here works on lists of tensors at once, grouped by (device, dtype), so
 that a model with hundreds of parameters costs a handful of kernel launches, and
@@ -16,8 +17,10 @@ tensor([1., 2.])
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -26,7 +29,37 @@ __all__ = [
     "unscale_and_check_",
     "any_nonfinite",
     "global_norm",
+    "is_dtensor",
+    "local_shards",
+    "is_flat_shard",
 ]
+
+
+def _dtensor_type() -> type | None:
+    # Only imported once something else has: no DTensor can exist before that.
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (an FSDP2 parameter or gradient)."""
+    cls = _dtensor_type()
+    return cls is not None and isinstance(tensor, cls)
+
+
+def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor's local shard (sharing its storage), other tensors as they are.
+
+    For copies between tensors that are sharded alike (a parameter and its float32
+    master or moving average): ``torch._foreach_copy_`` on the shards is the same copy,
+    fused, where torch has no DTensor rule for it.
+    """
+    return [t.to_local() if is_dtensor(t) else t for t in tensors]
+
+
+def is_flat_shard(param: torch.Tensor) -> bool:
+    """Whether ``param`` is (a view of) an FSDP1 flat parameter: this rank's slice of many."""
+    return getattr(param, "_fsdp_flattened", False) is True and not is_dtensor(param)
 
 
 def group_by_device_and_dtype(

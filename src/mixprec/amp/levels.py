@@ -14,7 +14,7 @@
     O3     low, norms too         everything                          none           no
     lean   O3 in bfloat16 (or float16), every update Kahan-compensated: none     no (2 B/param
            compensation buffer, ``master_weights="kahan"``; float32-like updates at 8
-           bytes per parameter with AdamW against O2's 14, see mixprec.optim.lean)
+           bytes per parameter with AdamW against O2's 14, see master_weights)
     auto   by the hardware (see choose_auto): CUDA O2, bfloat16 at compute capability
            >= 8.0, else float16 with a dynamic loss scale; a CPU with bfloat16 units O1
            bfloat16; any other CPU O0 (float32)
@@ -59,7 +59,7 @@ from mixprec.float8 import convert_to_float8
 from mixprec.float8.scaling import RECIPES as FLOAT8_RECIPES
 from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim.lean import master_weight_mode
+from mixprec.optim._masters import master_weight_mode
 
 __all__ = [
     "initialize",

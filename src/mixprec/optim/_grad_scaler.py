@@ -44,10 +44,15 @@ from typing import Any
 import torch
 
 from mixprec._checks import check_bool, check_number
-from mixprec.loss_scale import DynamicLossScale
+from mixprec.loss_scale import (
+    DynamicLossScale,
+    agree_on_found_inf,
+    check_process_group,
+    loss_scale_state,
+    restore_loss_scale,
+    step_or_skip,
+)
 from mixprec.numerics import unscale_and_check_
-from mixprec.optim.distributed import agree_on_found_inf, check_process_group
-from mixprec.optim.wrapper import creates_state
 
 __all__ = ["GradScaler"]
 
@@ -72,7 +77,7 @@ class GradScaler:
     ready ``loss_scale`` object instead of all of these; ``process_group``: the ranks
     whose overflow flags are all-reduced before ``step()`` decides, so that all of them
     skip together and keep one scale (default: all ranks once ``torch.distributed`` is
-    initialised; ``"local"``: no all-reduce; see :mod:`mixprec.optim.distributed`).
+    initialised; ``"local"``: no all-reduce; see :func:`mixprec.loss_scale.agree_on_found_inf`).
     """
 
     def __init__(
@@ -206,41 +211,11 @@ class GradScaler:
         state["stage"] = _Stage.STEPPED
         # Every rank's verdict before this one decides: all skip together, or none does.
         found_inf = agree_on_found_inf(state["found_inf"], self.process_group)
-        return self._step_unless_inf(optimizer, found_inf, grad_scale, args, kwargs)
-
-    def _step_unless_inf(
-        self,
-        optimizer: torch.optim.Optimizer,
-        found_inf: torch.Tensor,
-        grad_scale: torch.Tensor | None,
-        args: tuple,
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """The inner step: on the device for fused optimizers past their first step,
-        otherwise after reading ``found_inf`` (one host sync)."""
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and not creates_state(
-            optimizer
-        ):
-            optimizer.grad_scale = grad_scale
-            optimizer.found_inf = found_inf
-            try:
-                return optimizer.step(*args, **kwargs)
-            finally:
-                del optimizer.grad_scale
-                del optimizer.found_inf
-        if found_inf.item():
-            self._skipped_on_host = True
-            return None
-        if grad_scale is None:
-            return optimizer.step(*args, **kwargs)
-        # A fused first step whose gradients are still scaled: let the kernel unscale.
-        optimizer.grad_scale = grad_scale
-        optimizer.found_inf = torch.zeros_like(found_inf)
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+        result, skipped = step_or_skip(
+            optimizer, found_inf, grad_scale=grad_scale, args=args, kwargs=kwargs
+        )
+        self._skipped_on_host = self._skipped_on_host or skipped
+        return result
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Advance the scale by this iteration's overflow flags, or set it to ``new_scale``."""
@@ -338,7 +313,7 @@ class GradScaler:
             "backoff_factor": ls.backoff_factor,
             "growth_interval": ls.growth_interval,
             "_growth_tracker": int(ls.counter),
-            "mixprec": {"config": ls.get_config(), "state": ls.state_dict()},
+            "mixprec": loss_scale_state(ls),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -356,10 +331,7 @@ class GradScaler:
         ls = self.loss_scale
         own = state_dict.get("mixprec")
         if own is not None:
-            configured = DynamicLossScale.from_config(own["config"])  # validates first
-            for f in DynamicLossScale._config_fields():
-                setattr(ls, f.name, getattr(configured, f.name))
-            ls.load_state_dict(own["state"])
+            restore_loss_scale(ls, own)  # checks everything first
             return
         DynamicLossScale(
             initial_scale=state_dict["scale"], growth_factor=state_dict["growth_factor"],

@@ -38,8 +38,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from mixprec._checks import check_instance
-from mixprec.optim.distributed import is_flat_shard
-from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer
+from mixprec.numerics import is_flat_shard
+from mixprec.optim._loss_scale_optimizer import LossScaleOptimizer
 
 __all__ = ["CheckpointState"]
 

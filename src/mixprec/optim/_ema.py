@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mixprec._checks import check_number
-from mixprec.optim.distributed import local_shards
+from mixprec.numerics import local_shards
 
 __all__ = ["ParameterEMA"]
 

@@ -3,7 +3,11 @@
 The three clipping options. All take a list of gradients that are
 already unscaled (clipping scaled gradients would clip at ``scale`` times the
 intended threshold, the mistake this module exists to avoid) and work in place
-without host syncs.
+without host syncs. Norms are the whole model's where it is sharded: FSDP2
+(``fully_shard``) gradients are DTensors, reduced across their mesh by DTensor;
+FSDP1 flat parameters are plain tensors holding this rank's slice, whose squares
+are summed over the process group (per-tensor ``clipnorm`` cannot be computed on a
+slice and raises ``NotImplementedError``).
 
 >>> import torch
 >>> g = [torch.tensor([3.0, 4.0]), torch.tensor([0.0, 10.0])]
@@ -24,17 +28,27 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mixprec._checks import check_number
-from mixprec.numerics import group_by_device_and_dtype
-from mixprec.optim.distributed import is_dtensor, local_shards, norm_across_ranks
+from mixprec.loss_scale import reduction_group
+from mixprec.numerics import (
+    global_norm,
+    group_by_device_and_dtype,
+    is_dtensor,
+    is_flat_shard,
+    local_shards,
+)
 
 __all__ = [
     "clip_by_value_",
     "clip_by_norm_",
     "clip_by_global_norm_",
     "clip_gradients_",
+    "clip_step_gradients_",
     "check_clip_options",
+    "check_sharded_options",
+    "norm_across_ranks",
     "decay_",
 ]
 
@@ -95,7 +109,7 @@ def clip_by_global_norm_(
 
     The norm is the whole model's where it is sharded: DTensor gradients (FSDP2) count
     in full, and ``shards`` (this rank's slices of FSDP1 flat parameters) are summed over
-    ``process_group`` (:func:`~mixprec.optim.distributed.norm_across_ranks`). Returns
+    ``process_group`` (:func:`norm_across_ranks`). Returns
     the norm before clipping (a float32 tensor; reading it syncs).
     """
     if not grads and not shards:
@@ -139,3 +153,84 @@ def decay_(param_groups: list[dict[str, Any]], weight_decay: float, applied: tor
             factor = 1.0 - group["lr"] * weight_decay * applied
             for p in params:
                 p.mul_(factor.to(p.device, p.dtype))
+
+
+# -- sharded parameters ------------------------------------------------------------------
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor reduced to an ordinary tensor (a collective if it is partial)."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
+def _refuse_clipnorm_on_flat_shards(clipnorm: Any) -> None:
+    raise NotImplementedError(
+        f"clipnorm={clipnorm!r} with FSDP1 (FullyShardedDataParallel) flat parameters: "
+        "each rank holds a slice of many tensors joined together, so no tensor's own "
+        "norm is known; use global_clipnorm=, or FSDP2 (fully_shard), whose DTensor "
+        "parameters clip per tensor"
+    )
+
+
+def check_sharded_options(optimizer: torch.optim.Optimizer, clipnorm: Any) -> None:
+    """Raise ``NotImplementedError`` for options that sharded parameters cannot support."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if clipnorm is not None and any(is_flat_shard(p) for p in params):
+        _refuse_clipnorm_on_flat_shards(clipnorm)
+
+
+def norm_across_ranks(
+    grads: list[torch.Tensor], shards: list[torch.Tensor] = (), process_group: Any = None
+) -> torch.Tensor:
+    """The L2 norm of all gradients of the model, where parts of it live on other ranks.
+
+    ``grads``: ordinary tensors (whole on this rank) and DTensors (reduced across their
+    mesh by DTensor). ``shards``: this rank's slices of tensors split over
+    ``process_group`` (FSDP1 flat parameters): their squares are summed over the group.
+    A float32 scalar; no host sync (a collective where anything is sharded).
+    """
+    dtensors = [g for g in grads if is_dtensor(g)]
+    if not shards and not dtensors:  # nothing sharded: the plain norm
+        return global_norm(grads) if grads else torch.zeros((), dtype=torch.float32)
+    parts = []
+    plain = [g for g in grads if not is_dtensor(g)]
+    if plain:
+        parts.append(global_norm(plain))
+    if dtensors:
+        parts.append(_full(global_norm(dtensors)))
+    if shards:
+        squares = global_norm(shards).square()
+        group = reduction_group(process_group)
+        if group is not None:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+        parts.append(squares.sqrt())
+    if len(parts) < 2:
+        return parts[0] if parts else torch.zeros((), dtype=torch.float32)
+    device = parts[0].device
+    return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]), 2.0)
+
+
+def clip_step_gradients_(
+    params: list[torch.Tensor],
+    model_params: list[torch.Tensor],
+    *,
+    clipvalue: float | None,
+    clipnorm: float | None,
+    global_clipnorm: float | None,
+    process_group: Any = None,
+) -> None:
+    """Clip the gradients of the stepped ``params`` by the options that are set; norms
+    are the whole model's. ``model_params`` (the model's own parameters, in the same
+    order) tell which are FSDP1 flat shards."""
+    if clipvalue is None and clipnorm is None and global_clipnorm is None:
+        return
+    flat = {id(p) for p, m in zip(params, model_params) if is_flat_shard(m)}
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in flat]
+    shards = [p.grad for p in params if p.grad is not None and id(p) in flat]
+    if shards and clipnorm is not None:  # a group added after construction
+        _refuse_clipnorm_on_flat_shards(clipnorm)
+    with torch.no_grad():
+        clip_gradients_(
+            grads, clipvalue, clipnorm, global_clipnorm,
+            shards=shards, process_group=process_group,
+        )  # fmt: skip

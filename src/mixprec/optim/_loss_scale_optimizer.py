@@ -1,0 +1,751 @@
+"""``LossScaleOptimizer``: wraps any ``torch.optim.Optimizer`` with loss scaling.
+
+One ``step()``, top to bottom in :meth:`LossScaleOptimizer.step`: gradients ->
+(master gradients) -> unscale + finite check -> (accumulate) -> ranks agree -> clip
+-> decoupled weight decay -> inner step, skipped on overflow -> EMA -> (copy masters
+back) -> update the loss scale -> count. The step protocol itself (unscale, agree,
+step or skip, update, the saved form of a loss scale) is :mod:`mixprec.loss_scale`'s;
+what is stepped is :mod:`mixprec.optim._masters`'s. The only host read is the
+``found_inf.item()`` of a non-fused inner step; fused ones skip on the device.
+
+The wrapper is a real ``torch.optim.Optimizer`` built through torch's constructor
+(its step and state-dict hooks, profiling name and ``_patch_step_function`` are
+torch's own); from then on its ``param_groups``, ``state`` and ``defaults`` *are* the
+inner optimizer's, so LR schedulers, ``clip_grad_norm_`` over ``param_groups`` and
+anything else that reads optimizer state see one set of groups. Hyperparameters of
+the inner optimizer (the names in its ``defaults``: ``lr``, ``momentum``, ``betas``
+...) read from its first group and write to all its groups (``opt.lr = 0.1``).
+
+Its checkpoint is torch's shape: the inner optimizer's ``state`` and
+``param_groups`` at the top, plus ``"mixprec"``: the loss scale
+(:func:`~mixprec.loss_scale.loss_scale_state`), the step counters and the optional
+parts (master weights, EMA, gradient accumulation); ``weights_only``-loadable.
+Loading checks everything before it changes anything. A state dict with only
+``state`` and ``param_groups`` (what ``torch.distributed.checkpoint``'s
+``set_state_dict`` passes) loads the inner optimizer and keeps the wrapper's own state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from mixprec._checks import check_bool, check_number
+from mixprec.dtypes import low_precision_of
+from mixprec.loss_scale import (
+    LossScale,
+    agree_on_found_inf,
+    check_process_group,
+    checked_loss_scale,
+    loss_scale_from_spec,
+    loss_scale_state,
+    refuse_unscaled_gradients,
+    restore_loss_scale,
+    step_or_skip,
+)
+from mixprec.numerics import unscale_and_check_
+from mixprec.optim._accumulation import GradientAccumulator
+from mixprec.optim._clipping import (
+    check_clip_options,
+    check_sharded_options,
+    clip_step_gradients_,
+    decay_,
+)
+from mixprec.optim._ema import ParameterEMA
+from mixprec.optim._masters import (
+    LeanUpdates,
+    MasterWeights,
+    SplitMasterWeights,
+    build_master,
+    master_weight_mode,
+)
+
+__all__ = ["LossScaleOptimizer", "OptimizerWrapper", "StepCounters", "joint_step"]
+
+
+class _FromInner:
+    """A field that is the inner optimizer's once there is one (before: the wrapper's own)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        inner = obj.__dict__.get("_inner")
+        if inner is None:
+            try:
+                return obj.__dict__[self.name]
+            except KeyError:
+                raise AttributeError(self.name) from None
+        return getattr(inner, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        inner = obj.__dict__.get("_inner")
+        if inner is None:
+            obj.__dict__[self.name] = value
+        else:
+            setattr(inner, self.name, value)
+
+
+class OptimizerWrapper(torch.optim.Optimizer):
+    """An optimizer whose groups, state and hyperparameters are ``inner``'s.
+
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> opt = OptimizerWrapper(torch.optim.SGD([w], lr=0.5, momentum=0.9))
+    >>> opt.lr, opt.param_groups is opt.inner_optimizer.param_groups
+    (0.5, True)
+    >>> opt.momentum = 0.8; opt.inner_optimizer.param_groups[0]["momentum"]
+    0.8
+    """
+
+    #: The wrapper's own public attributes: never delegated to the inner groups, even
+    #: where the inner optimizer has a hyperparameter of that name (AdamW's
+    #: ``decoupled_weight_decay``). Private (``_``) names are always the wrapper's.
+    own_attributes: ClassVar[frozenset[str]] = frozenset()
+
+    param_groups = _FromInner()  # type: ignore[assignment]
+    state = _FromInner()  # type: ignore[assignment]
+    defaults = _FromInner()  # type: ignore[assignment]
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise TypeError(
+                f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}"
+            )
+        # torch's constructor sets up hooks and (re)normalises the inner groups in place;
+        # the groups, state and defaults it builds are dropped for the inner ones below.
+        super().__init__(inner.param_groups, inner.defaults)
+        for name in ("param_groups", "state", "defaults"):
+            self.__dict__.pop(name, None)
+        self.__dict__["_inner"] = inner
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._inner
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "_inner" not in self.__dict__:  # torch's constructor, on the inner groups
+            super().add_param_group(param_group)
+        else:
+            self._inner.add_param_group(param_group)
+
+    def _is_hyperparameter(self, name: str) -> bool:
+        inner = self.__dict__.get("_inner")
+        return inner is not None and name != "params" and name in inner.defaults
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached when normal lookup fails: delegate inner hyperparameters.
+        if self._is_hyperparameter(name):
+            return self._inner.param_groups[0][name]
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        own = name.startswith("_") or name in self.own_attributes or hasattr(type(self), name)
+        if own or not self._is_hyperparameter(name):
+            object.__setattr__(self, name, value)
+        else:
+            for group in self._inner.param_groups:
+                group[name] = value
+
+    def __dir__(self) -> list[str]:
+        inner = self.__dict__.get("_inner")
+        names = [] if inner is None else [n for n in inner.defaults if n != "params"]
+        return sorted(set(super().__dir__()) | set(names))
+
+    # -- checkpoints: torch's optimizer state-dict hooks run around the subclass's own --
+
+    def _own_state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()
+
+    def _load_own_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._inner.load_state_dict(state_dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state dict, with torch's ``register_state_dict_pre_hook``/``post_hook``s run."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = self._own_state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load, with torch's ``register_load_state_dict_pre_hook``/``post_hook``s run."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        self._load_own_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._patch_step_function()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._inner!r})"
+
+
+class StepCounters:
+    """Applied and skipped steps (int64 tensors) and the last ``found_inf`` flag."""
+
+    def __init__(self) -> None:
+        self.applied = torch.zeros((), dtype=torch.int64)
+        self.skipped = torch.zeros((), dtype=torch.int64)
+        self.last_found_inf = torch.zeros((), dtype=torch.float32)
+
+    def _follow(self, device: torch.device) -> None:
+        # A one-time move to the gradients' device: counting never copies a flag back.
+        if self.applied.device != device:
+            self.applied = self.applied.to(device)
+            self.skipped = self.skipped.to(device)
+            self.last_found_inf = self.last_found_inf.to(device)
+
+    def record(self, found_inf: torch.Tensor) -> None:
+        """Count one step: skipped if ``found_inf`` (a 0/1 float tensor) is 1. No host sync."""
+        self._follow(found_inf.device)
+        overflow = found_inf > 0
+        self.skipped.add_(overflow)
+        self.applied.add_(~overflow)
+        self.last_found_inf.copy_(found_inf)
+
+    def set_applied(self, value: Any) -> None:
+        """Set the applied-step count (``opt.iterations = n``), e.g. when resuming."""
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = int(value)
+        check_number("iterations", value, integer=True, minimum=0)
+        self.applied.fill_(value)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "iterations": self.applied.clone(),
+            "skipped_steps": self.skipped.clone(),
+            "last_step_skipped": self.last_found_inf > 0,
+        }
+
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Raise ``ValueError`` unless ``state`` is :meth:`state_dict`'s output."""
+        keys = {"iterations", "skipped_steps", "last_step_skipped"}
+        if not isinstance(state, dict) or set(state) != keys:
+            raise ValueError(f"counters must be a dict with keys {sorted(keys)}, got {state!r}")
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                raise ValueError(f"counters[{key!r}] must be a one-element tensor, got {value!r}")
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.check_state(state)
+        self.applied.copy_(state["iterations"].reshape(()))
+        self.skipped.copy_(state["skipped_steps"].reshape(()))
+        self.last_found_inf.copy_(state["last_step_skipped"].reshape(()).float())
+
+
+def check_options(
+    inner_optimizer: torch.optim.Optimizer,
+    *,
+    master_weights: Any,
+    clipnorm: Any,
+    clipvalue: Any,
+    global_clipnorm: Any,
+    weight_decay: Any,
+    use_ema: Any,
+    ema_momentum: Any,
+    ema_overwrite_frequency: Any,
+    loss_scale_factor: Any,
+    gradient_accumulation_steps: Any,
+    skip_nonfinite: Any,
+    process_group: Any = None,
+    monitor_every: Any = None,
+) -> int | None:
+    """Raise ``TypeError``/``ValueError`` for a bad option; return the accumulation steps.
+
+    >>> import torch
+    >>> sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    >>> check_options(sgd, master_weights=False, clipnorm=None, clipvalue=None,
+    ...               global_clipnorm=None, weight_decay=None, use_ema=False, ema_momentum=0.99,
+    ...               ema_overwrite_frequency=None, loss_scale_factor=None,
+    ...               gradient_accumulation_steps=4, skip_nonfinite=True)
+    4
+    """
+    if not isinstance(inner_optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}"
+        )
+    if hasattr(inner_optimizer, "loss_scaler"):
+        raise ValueError(
+            "inner_optimizer is already a LossScaleOptimizer; wrap the plain optimizer once"
+        )
+    check_clip_options(clipnorm, clipvalue, global_clipnorm)
+    check_number("monitor_every", monitor_every, integer=True, minimum=1, allow_none=True)
+    check_number("weight_decay", weight_decay, minimum=0, allow_none=True)
+    check_number(
+        "loss_scale_factor", loss_scale_factor, minimum=0, exclusive=True, allow_none=True
+    )
+    accumulation = check_number(
+        "gradient_accumulation_steps", gradient_accumulation_steps, integer=True, minimum=1,
+        allow_none=True, hint="use 1 (or None) for no accumulation",
+    )  # fmt: skip
+    check_bool("use_ema", use_ema)
+    check_bool("skip_nonfinite", skip_nonfinite)
+    if use_ema:
+        ParameterEMA([], ema_momentum, ema_overwrite_frequency)  # validates only
+    mode = master_weight_mode(master_weights)
+    if mode == "fp32":
+        MasterWeights.check(inner_optimizer)
+    elif mode == "split":
+        SplitMasterWeights.check(inner_optimizer)
+        if use_ema:
+            raise ValueError(
+                "use_ema=True needs float32 masters that live between steps; "
+                "use master_weights='fp32' with use_ema=True"
+            )
+    elif mode:
+        LeanUpdates.check(inner_optimizer, mode)
+    check_process_group(process_group)
+    check_sharded_options(inner_optimizer, clipnorm)
+    return accumulation
+
+
+class LossScaleOptimizer(OptimizerWrapper):
+    """An optimizer that applies loss scaling (and mixed-precision extras) to another::
+
+        opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), fused=True))
+        opt.scale_loss(loss).backward()     # loss * scale
+        opt.step()                          # unscale, check, skip or apply, update scale
+        opt.zero_grad()
+
+    ``loss_scale``: ``"dynamic"`` (default: :class:`~mixprec.DynamicLossScale` from 2**15),
+    a number (fixed), ``None`` (no scaling, overflows still skipped) or a ``LossScale``.
+
+    Every step whose (unscaled) gradients hold an inf or NaN is skipped: parameters,
+    inner state, EMA and decay stay exactly as they were; ``iterations`` does not advance.
+
+    Options (all act on *unscaled* gradients and only on applied steps):
+        clipnorm: clip each gradient's L2 norm to this.
+        clipvalue: clamp gradient elements to ``[-clipvalue, clipvalue]`` (applied first).
+        global_clipnorm: clip the joint norm of all gradients (excludes ``clipnorm``).
+        weight_decay: decoupled ``p -= lr * weight_decay * p`` (``opt.decoupled_weight_decay``).
+        use_ema, ema_momentum, ema_overwrite_frequency: float32 averages (copy_ema_to_params).
+        loss_scale_factor: a fixed extra factor on the loss, removed from the gradients.
+        gradient_accumulation_steps: step every N ``step()`` calls on the average gradient;
+            one overflowing micro-batch skips the window (``zero_grad()`` after each).
+        master_weights: True/"fp32" (float32 masters are stepped), "kahan" or "stochastic"
+            (the low-precision parameters are stepped, updates kept: see mixprec.optim._masters).
+        skip_nonfinite: ``False`` applies every step, even one with inf/NaN gradients.
+        process_group: the ranks that skip together: ``None`` (default) all ranks once
+            ``torch.distributed`` runs on more than one, a ``ProcessGroup`` (e.g. the
+            data-parallel group), or ``"local"`` (each rank decides alone).
+        monitor_every: sample gradient precision every N steps, no syncs in between
+            (``opt.gradient_monitor``, a :class:`~mixprec.diagnostics.GradientMonitor`).
+
+    ``param_groups``, ``state``, ``opt.lr`` are the inner optimizer's. Counters are tensors:
+    ``iterations``, ``skipped_steps``, ``last_step_skipped``. Host syncs per ``step()``:
+    none for fused inner optimizers after their first step, one otherwise.
+
+    >>> var = torch.tensor(1.0, requires_grad=True)
+    >>> opt = LossScaleOptimizer(torch.optim.SGD([var], lr=0.25))
+    >>> opt.scale_loss(var**2).backward(); opt.step()
+    >>> var
+    tensor(0.5000, requires_grad=True)
+    >>> opt.lr, float(opt.loss_scale), int(opt.iterations)
+    (0.25, 32768.0, 1)
+    """
+
+    own_attributes: ClassVar[frozenset[str]] = frozenset(
+        ("loss_scaler", "clipnorm", "clipvalue", "global_clipnorm", "decoupled_weight_decay",
+         "loss_scale_factor", "skip_nonfinite", "gradient_accumulation_steps", "process_group",
+         "gradient_monitor")
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        inner_optimizer: torch.optim.Optimizer,
+        loss_scale: Any = "dynamic",
+        *,
+        master_weights: bool | str = False,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        weight_decay: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        skip_nonfinite: bool = True,
+        process_group: Any = None,
+        monitor_every: int | None = None,
+    ) -> None:
+        # Validate everything before touching the inner optimizer: a rejected
+        # construction must leave it exactly as it was.
+        accumulation = check_options(
+            inner_optimizer, master_weights=master_weights, clipnorm=clipnorm,
+            clipvalue=clipvalue, global_clipnorm=global_clipnorm, weight_decay=weight_decay,
+            use_ema=use_ema, ema_momentum=ema_momentum, process_group=process_group,
+            monitor_every=monitor_every,
+            ema_overwrite_frequency=ema_overwrite_frequency, loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps, skip_nonfinite=skip_nonfinite,
+        )  # fmt: skip
+        scaler = loss_scale_from_spec(loss_scale)
+        super().__init__(inner_optimizer)
+        self.loss_scaler: LossScale = scaler
+        self.clipnorm, self.clipvalue, self.global_clipnorm = clipnorm, clipvalue, global_clipnorm
+        self.decoupled_weight_decay = weight_decay
+        self.loss_scale_factor = loss_scale_factor
+        self.skip_nonfinite = skip_nonfinite
+        self.gradient_accumulation_steps = accumulation
+        self.process_group = process_group
+        self._scale_used: torch.Tensor | None = None  # the scale scale_loss multiplied by
+        self._unscaled_found_inf: torch.Tensor | None = None  # set by unscale_()
+        self._held_grads: dict[int, torch.Tensor] = {}  # a no_sync() window's gradients
+        self._master = build_master(inner_optimizer, master_weights)
+        self._accumulator = GradientAccumulator(accumulation) if accumulation else None
+        params = self._stepped_params()
+        self._ema = ParameterEMA(params, ema_momentum, ema_overwrite_frequency) if use_ema else None
+        self._counters = StepCounters()  # tensors: correct under torch.compile, no syncs
+        scaler.take_scaled(self)  # from now on, step() asks whether a loss was scaled
+        self.gradient_monitor = None
+        if monitor_every is not None:  # diagnostics load only when asked for
+            from mixprec.diagnostics.monitor import GradientMonitor
+
+            self.gradient_monitor = GradientMonitor(
+                self, every=monitor_every, dtype=low_precision_of(self.model_params())
+            )
+
+    def __repr__(self) -> str:
+        return f"LossScaleOptimizer({self._inner!r}, loss_scale={self.loss_scaler!r})"
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        """The current loss scale (float32 scalar tensor)."""
+        return self.loss_scaler.scale
+
+    @property
+    def iterations(self) -> torch.Tensor:
+        """Applied (not skipped) steps, an int64 tensor; assignable (``opt.iterations = 0``)."""
+        return self._counters.applied.clone()
+
+    @iterations.setter
+    def iterations(self, value: Any) -> None:
+        self._counters.set_applied(value)
+
+    @property
+    def skipped_steps(self) -> torch.Tensor:
+        """Steps skipped because of non-finite gradients, an int64 tensor."""
+        return self._counters.skipped.clone()
+
+    @property
+    def last_step_skipped(self) -> torch.Tensor:
+        """Whether the last step was skipped, a bool tensor (reading it syncs)."""
+        return self._counters.last_found_inf > 0
+
+    @property
+    def use_ema(self) -> bool:
+        return self._ema is not None
+
+    @property
+    def master_weights(self) -> bool | str:  # False, True (float32), "kahan" or "stochastic"
+        return getattr(self._master, "mode", True) if self._master is not None else False
+
+    def _factor(self) -> float:
+        return 1.0 if self.loss_scale_factor is None else float(self.loss_scale_factor)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scale * loss_scale_factor``; call ``.backward()`` on the result.
+
+        ``step()`` unscales by the scale used here (a device-side copy), so a loss scale
+        shared with an optimizer that steps (and backs off) first stays correct. No sync.
+        """
+        scaled = self.loss_scaler.scale_loss(loss, self._factor())
+        self._scale_used = self.loss_scaler.scale.detach().clone()
+        return scaled
+
+    def _stepped_params(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizer updates (masters under master weights)."""
+        return [p for g in self._inner.param_groups for p in g["params"]]
+
+    def unscale_(self) -> torch.Tensor:
+        """Divide this step's gradients by the loss scale now, in place (once per step);
+        return ``found_inf`` (1.0 if any unscaled gradient is inf/NaN; no sync).
+
+        ``GradScaler.unscale_``'s recipe: clipping then sees true gradients, and
+        :meth:`step` does not unscale again::
+
+            opt.scale_loss(loss).backward()
+            opt.unscale_(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step()
+
+        Under ``master_weights=True`` the unscaled gradients are the float32 masters'
+        (``opt.param_groups``): clip those, or use ``global_clipnorm=``. Once per step.
+        """
+        if self._unscaled_found_inf is not None:
+            raise RuntimeError(
+                "unscale_() has already been called since the last step(); call it once per step"
+            )
+        self._unscaled_found_inf = self._unscale(self._stepped_params(), False)
+        return self._unscaled_found_inf
+
+    def _unscale(self, params: list[torch.Tensor], unscaled: bool) -> torch.Tensor:
+        """Copy to masters, unscale (unless ``unscaled``) and check; return ``found_inf``."""
+        if not unscaled and not self.loss_scaler.take_scaled(self):
+            refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
+        if self._master is not None:
+            self._master.grads_to_masters()
+        grads = [p.grad for p in params]
+        if unscaled:  # already divided by the scale: check only
+            one = torch.ones((), dtype=torch.float32, device=self.loss_scaler.device)
+            return unscale_and_check_(grads, one)
+        used, self._scale_used = self._scale_used, None
+        return self.loss_scaler.unscale_(grads, self._factor(), scale=used)
+
+    def _prepare(self, params: list[torch.Tensor], unscaled: bool = False) -> torch.Tensor | None:
+        """Unscale and check this step's gradients; ``None`` if the window is not full."""
+        found_inf, self._unscaled_found_inf = self._unscaled_found_inf, None
+        if found_inf is None:
+            found_inf = self._unscale(params, unscaled)
+        if self._accumulator is not None:
+            found_inf = self._accumulator.window(params, found_inf)
+        # All ranks' verdict, before anything is applied (None: the window is not full).
+        return agree_on_found_inf(found_inf, self.process_group)
+
+    def _apply(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> bool:
+        """Clip, decay, step (or skip), EMA, copy back, count; leave the scale alone.
+        Returns whether the step is known on the host to have been skipped."""
+        if not self.skip_nonfinite:
+            found_inf = torch.zeros_like(found_inf)
+        # 1 on an applied step, 0 on a skipped one: decay and EMA multiply by it.
+        applied = 1.0 - found_inf if self.decoupled_weight_decay or self._ema else None
+        lean = self._master if isinstance(self._master, LeanUpdates) else None
+        with torch.no_grad():
+            if (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None):
+                clip_step_gradients_(
+                    params, self.model_params(), clipvalue=self.clipvalue,
+                    clipnorm=self.clipnorm, global_clipnorm=self.global_clipnorm,
+                    process_group=self.process_group,
+                )  # fmt: skip  # norms are the whole model's, across shards
+            if self.decoupled_weight_decay and lean is None:
+                decay_(self._inner.param_groups, self.decoupled_weight_decay, applied)
+        if lean is None:
+            _, skipped = step_or_skip(self._inner, found_inf, skip=self.skip_nonfinite)
+        else:  # decay is folded into the lean update, where bfloat16 keeps it
+            skipped = lean.step(found_inf, self.skip_nonfinite, self.decoupled_weight_decay)
+        if self._ema is not None:
+            self._ema.update(params, applied, self._counters.applied.to(applied.device))
+        if self._master is not None:
+            self._master.masters_to_model()
+        self._counters.record(found_inf)
+        return skipped
+
+    def _step(self, unscaled: bool = False) -> None:
+        """The step on the gradients in ``.grad``: still scaled, or already ``unscaled``."""
+        params = self._stepped_params()
+        found_inf = self._prepare(params, unscaled)
+        if found_inf is None:  # inside an accumulation window: nothing changes yet
+            return
+        skipped = self._apply(params, found_inf)
+        self.loss_scaler.update(found_inf=found_inf)
+        self.loss_scaler.observe_step(skipped)  # may raise ScaleCollapseError
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Unscale (unless :meth:`unscale_` did), check, clip, apply or skip, update the scale.
+
+        ``closure``, if given, runs first (gradients enabled) and must call
+        ``self.scale_loss(loss).backward()``. Gradients that no :meth:`scale_loss` produced
+        raise ``RuntimeError``; a collapsed dynamic scale raises
+        :class:`~mixprec.ScaleCollapseError` (checked after skipped non-fused steps; fused
+        loops call ``opt.loss_scaler.raise_if_collapsed()`` where they sync anyway).
+        """
+        result = None
+        if closure is not None:
+            with torch.enable_grad():
+                result = closure()
+        self._step()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._master is not None:
+            self._master.zero_grad(set_to_none)
+        self._inner.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # .get: torch's constructor calls this before the parts below exist.
+        if getattr(self, "_master", None) is not None:
+            param_group = self._master.add_param_group(param_group)
+        super().add_param_group(param_group)
+        if (ema := getattr(self, "_ema", None)) is not None:
+            self._ema = ParameterEMA(self._stepped_params(), ema.momentum, ema.overwrite_frequency)
+
+    def model_params(self) -> list[torch.Tensor]:
+        """The model's own parameters (not their float32 masters), in group order."""
+        return self._master.model_params if self._master else self._stepped_params()
+
+    def copy_ema_to_params(self) -> None:
+        """Overwrite the parameters with their moving averages (needs ``use_ema=True``)."""
+        if self._ema is None:
+            raise ValueError("copy_ema_to_params() needs use_ema=True on this optimizer")
+        self._ema.copy_into(self._stepped_params())
+        if self._master is not None:
+            self._master.masters_to_model()
+
+    # -- gradient accumulation under DDP / FSDP2 ----------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Around one micro-step's backward: skip ``model``'s gradient all-reduce unless
+        the micro-step closes the accumulation window (the wrapper counts them).
+
+        ``model`` is a ``DistributedDataParallel`` or an FSDP2 (``fully_shard``) module.
+        Inside the window DDP's gradients are set aside after each backward (so the
+        micro-step's ``step()`` and ``zero_grad()`` leave them alone) and put back before
+        the next; FSDP2 keeps them itself. The last backward then reduces the window's
+        sum once, and that ``step()`` applies its mean. The loss scale stays fixed
+        within a window, so the sum is of equally scaled gradients.
+        """
+        accumulator = self._accumulator
+        if accumulator is None or accumulator.steps < 2:
+            raise ValueError(
+                "no_sync() is for gradient accumulation: build the optimizer with "
+                "gradient_accumulation_steps=N (N >= 2), or call model.no_sync() yourself "
+                "around backward passes whose gradients you sum in .grad"
+            )
+        last = accumulator.micro_step + 1 >= accumulator.steps
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            yield from self._ddp_micro_step(model, last)
+        elif callable(getattr(model, "set_requires_gradient_sync", None)):  # FSDP2
+            model.set_requires_gradient_sync(last)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        elif type(model).__name__ == "FullyShardedDataParallel":
+            raise NotImplementedError(
+                "opt.no_sync() with FSDP1 (FullyShardedDataParallel): FSDP1 keeps the "
+                "skipped micro-steps' unsharded gradients in .grad itself; accumulate "
+                "without no_sync (each micro-step then reduce-scatters), or use FSDP2 "
+                "(fully_shard)"
+            )
+        else:
+            raise TypeError(
+                "no_sync(model) takes a DistributedDataParallel or an FSDP2 (fully_shard) "
+                f"module, got {type(model).__name__}"
+            )
+
+    def _ddp_micro_step(self, model: torch.nn.Module, last: bool) -> Iterator[None]:
+        params = [p for p in model.parameters() if p.requires_grad]
+        held, self._held_grads = self._held_grads, {}
+        with torch.no_grad():
+            for p in params:  # the window so far, summed in .grad by this backward
+                if id(p) in held:
+                    p.grad = held[id(p)] if p.grad is None else p.grad.add_(held[id(p)])
+        if last:
+            yield  # synchronised: DDP averages the window's sum over the ranks
+            return
+        with model.no_sync():
+            yield
+        self._held_grads = {id(p): p.grad for p in params if p.grad is not None}
+        for p in params:
+            p.grad = None
+
+    # -- checkpoints (see the module docstring) ------------------------------------------
+
+    _PARTS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("master", "_master"), ("ema", "_ema"), ("accumulation", "_accumulator"),
+    )  # fmt: skip
+
+    def _own_state_dict(self) -> dict[str, Any]:
+        if self._held_grads:
+            raise RuntimeError(
+                "state_dict() inside a no_sync() accumulation window: the window's "
+                "gradients are not part of any state dict; save after the step() that "
+                "ends the window"
+            )
+        own = {
+            "loss_scale": loss_scale_state(self.loss_scaler),
+            "counters": self._counters.state_dict(),
+        }
+        for key, attr in self._PARTS:
+            part = getattr(self, attr)
+            own[key] = None if part is None else part.state_dict()
+        return {**self._inner.state_dict(), "mixprec": own}
+
+    def _load_own_state_dict(self, state_dict: dict[str, Any]) -> None:
+        inner, own = _split_state_dict(state_dict)
+        if own is not None:  # everything is checked before anything changes
+            checked_loss_scale(self.loss_scaler, own["loss_scale"])
+            for key, attr in self._PARTS:
+                part = getattr(self, attr)
+                if (own[key] is None) != (part is None):
+                    raise ValueError(
+                        f"the checkpoint was saved {'without' if own[key] is None else 'with'} "
+                        f"{key} but this optimizer is configured {'with' if part else 'without'} it"
+                    )
+            StepCounters.check_state(own["counters"])
+        self._inner.load_state_dict(inner)
+        self._held_grads = {}  # a loaded state starts its own window
+        if own is None:
+            return
+        restore_loss_scale(self.loss_scaler, own["loss_scale"])
+        self._counters.load_state_dict(own["counters"])
+        for key, attr in self._PARTS:
+            part = getattr(self, attr)
+            if part is not None:
+                part.load_state_dict(own[key])
+
+
+def joint_step(*optimizers: LossScaleOptimizer) -> None:
+    """Step several optimizers that share one loss scale as one: skip all or none.
+
+    The alternative to calling each ``opt.step()`` (where each optimizer skips only its
+    own overflowing step, and each step advances the shared scale). Here every
+    optimizer's gradients are unscaled and checked first; if any overflowed, all
+    steps are skipped; then the shared scale is updated once.
+
+    >>> w1, w2 = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
+    >>> from mixprec.loss_scale import DynamicLossScale
+    >>> shared = DynamicLossScale(initial_scale=4.0)
+    >>> a = LossScaleOptimizer(torch.optim.SGD([w1], lr=0.1), shared)
+    >>> b = LossScaleOptimizer(torch.optim.SGD([w2], lr=0.1), shared)
+    >>> a.scale_loss(w1.sum()).backward(); b.scale_loss(w2.sum() * float("inf")).backward()
+    >>> joint_step(a, b)
+    >>> float(w1.detach()), float(shared.scale)  # b overflowed: both skipped, scale halved
+    (1.0, 2.0)
+    """
+    if not optimizers or not all(isinstance(o, LossScaleOptimizer) for o in optimizers):
+        raise TypeError("joint_step takes one or more LossScaleOptimizer objects")
+    if len({id(o.loss_scaler) for o in optimizers}) != 1:
+        raise ValueError(
+            "joint_step needs optimizers that share one loss scale "
+            "(build them with loss_scale=<the same LossScale object>)"
+        )
+    if any(o.gradient_accumulation_steps for o in optimizers):
+        raise ValueError("joint_step does not combine with gradient_accumulation_steps")
+    params = [o._stepped_params() for o in optimizers]
+    flags = [o._prepare(p) for o, p in zip(optimizers, params)]
+    found_inf = torch.stack([f.to(flags[0].device) for f in flags]).amax()
+    for o, p in zip(optimizers, params):
+        o._apply(p, found_inf)
+    optimizers[0].loss_scaler.update(found_inf=found_inf)
+
+
+
+def _split_state_dict(state_dict: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the inner optimizer's state dict, mixprec's entry or ``None``), checked."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            "not an optimizer state dict: expected the keys 'state' and 'param_groups' "
+            f"(and 'mixprec' from a LossScaleOptimizer), got {got}"
+        )
+    inner = {k: v for k, v in state_dict.items() if k != "mixprec"}
+    own = state_dict.get("mixprec")
+    keys = {"loss_scale", "counters", *(key for key, _ in LossScaleOptimizer._PARTS)}
+    if own is not None and (not isinstance(own, dict) or set(own) != keys):
+        got = sorted(own) if isinstance(own, dict) else type(own).__name__
+        raise ValueError(f"state_dict['mixprec'] must have keys {sorted(keys)}, got {got}")
+    return inner, own

@@ -1,0 +1,570 @@
+"""What the optimizer steps: the master-weight modes behind one small interface.
+
+Low-precision parameters lose every update smaller than half a unit in the last
+place, so mixprec steps something else and writes the result into the model. A mode
+is chosen with ``master_weights=`` (:func:`master_weight_mode`) and built by
+:func:`build_master`; every mode has the same interface, which is all
+:class:`~mixprec.LossScaleOptimizer` knows of it::
+
+    grads_to_masters()      # before unscaling: gradients go where the step reads them
+    masters_to_model()      # after the step: the model's parameters get the result
+    zero_grad(set_to_none), add_param_group(group), state_dict(), load_state_dict(state)
+    model_params            # the model's own parameters, in group order
+
+The modes (bytes per parameter with AdamW, parameter included):
+
+* ``"fp32"`` - :class:`MasterWeights`: float32 copies, stepped, copied back (14).
+* ``"split"`` - :class:`SplitMasterWeights`: the bfloat16 weight plus the master's
+  low 16 bits, rebuilt bit for bit for the step (12); equal to ``"fp32"``.
+* ``"kahan"``/``"stochastic"`` - :class:`LeanUpdates`: the low-precision parameters
+  are stepped, with a compensation buffer or stochastic rounding keeping the small
+  updates (8 and 6); these also own the step (``step(found_inf, skip, weight_decay)``),
+  since the update must land in their buffer.
+
+Each class's docstring has the algorithm and an example.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec._checks import check_choice
+from mixprec.dtypes import LOW_PRECISION
+from mixprec.loss_scale import step_or_skip
+from mixprec.numerics import is_dtensor, local_shards
+
+__all__ = [
+    "MASTER_WEIGHT_MODES",
+    "master_weight_mode",
+    "build_master",
+    "MasterWeights",
+    "SplitMasterWeights",
+    "LeanUpdates",
+    "stochastic_round",
+    "split_bits",
+    "join_bits",
+]
+
+
+
+
+class MasterWeights:
+    """Swap ``optimizer``'s low-precision parameters for float32 masters (in place).
+
+    Float32 master copies of low-precision parameters.
+
+    With float16/bfloat16 parameters an update smaller than half a unit in the last
+    place (``|update| / |weight| < 2**-11`` for float16) rounds away and the model
+    stalls. Master weights keep a float32 copy of every low-precision parameter; the
+    inner optimizer steps the copies, and the result is copied back into the model::
+
+        model param (fp16) --grad--> master.grad (fp32) --unscale, clip--> inner.step(masters)
+                                                                              |
+        model param (fp16) <------------------ copy back -------------------- master (fp32)
+
+    Parameters that are already float32 (normalisation layers kept in float32) serve
+    as their own masters. The inner optimizer's ``param_groups`` hold the masters, so
+    its state (and ``state_dict``) is float32 too. Sharded parameters (FSDP2 DTensors,
+    FSDP1 flat parameters) get masters sharded alike, and copies go shard to shard.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    >>> opt = torch.optim.SGD([w], lr=1e-4)
+    >>> mw = MasterWeights(opt)
+    >>> opt.param_groups[0]["params"][0].dtype
+    torch.float32
+    """
+
+    @staticmethod
+    def check(optimizer: torch.optim.Optimizer) -> None:
+        """Raise ``ValueError`` unless ``optimizer`` holds a low-precision parameter."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not any(p.dtype in LOW_PRECISION for p in params):
+            dtypes = sorted({str(p.dtype) for p in params})
+            raise ValueError(
+                f"master_weights=True needs float16 or bfloat16 parameters, but every parameter "
+                f"is {', '.join(dtypes)}; cast the model first (e.g. amp.initialize(level='O2')) "
+                "or leave master_weights=False"
+            )
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.check(optimizer)
+        self.model_params: list[torch.Tensor] = []
+        self.masters: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            masters = []
+            for p in group["params"]:
+                master = p.detach().clone().float() if p.dtype in LOW_PRECISION else p
+                if master is not p and p in optimizer.state:
+                    # State created before wrapping follows its parameter to the master.
+                    optimizer.state[master] = {
+                        k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                        for k, v in optimizer.state.pop(p).items()
+                    }
+                self.model_params.append(p)
+                self.masters.append(master)
+                masters.append(master)
+            group["params"] = masters
+        self._low = [(p, m) for p, m in zip(self.model_params, self.masters) if p is not m]
+        self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+
+    def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Replace a new group's low-precision params by masters; return the new group."""
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        masters = []
+        for p in params:
+            master = p.detach().clone().float() if p.dtype in LOW_PRECISION else p
+            self.model_params.append(p)
+            self.masters.append(master)
+            if master is not p:
+                self._low.append((p, master))
+                self._groups = None
+            masters.append(master)
+        return {**group, "params": masters}
+
+    def _grouped(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """(model params, masters) lists per (device, dtype), for fused copies."""
+        if self._groups is None:
+            groups: dict[tuple, tuple[list, list]] = {}
+            for p, m in self._low:
+                models, masters = groups.setdefault((p.device, p.dtype), ([], []))
+                models.append(p)
+                masters.append(m)
+            self._groups = list(groups.values())
+        return self._groups
+
+    def grads_to_masters(self) -> None:
+        """Copy each low-precision gradient into its master's float32 gradient (fused).
+
+        Masters whose gradient was dropped (``zero_grad(set_to_none=True)``) get views
+        of one new float32 buffer per group: one allocation and one fused copy a step,
+        not one cast kernel per parameter (DTensors, sharded, get their own casts).
+        """
+        with torch.no_grad():
+            for models, masters in self._grouped():
+                src, dst, missing = [], [], []
+                for p, m in zip(models, masters):
+                    if p.grad is None:
+                        m.grad = None
+                    elif m.grad is not None and m.grad.shape == p.grad.shape:
+                        src.append(p.grad)
+                        dst.append(m.grad)
+                    elif is_dtensor(p.grad):
+                        m.grad = p.grad.float()
+                    else:
+                        missing.append((p, m))
+                if missing:
+                    sizes = [m.numel() for _, m in missing]
+                    flat = torch.empty(sum(sizes), dtype=torch.float32, device=missing[0][1].device)
+                    for (p, m), view in zip(missing, flat.split(sizes)):
+                        m.grad = view.view_as(m)
+                        src.append(p.grad)
+                        dst.append(m.grad)
+                if dst:
+                    torch._foreach_copy_(local_shards(dst), local_shards(src))
+
+    def masters_to_model(self) -> None:
+        """Copy the masters back into the model's low-precision parameters (fused)."""
+        with torch.no_grad():
+            for models, masters in self._grouped():
+                torch._foreach_copy_(local_shards(models), local_shards(masters))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model parameters' gradients (the masters' are overwritten each step)."""
+        for p in self.model_params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().requires_grad_(False).zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"masters": [m.detach().clone() for _, m in self._low]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "masters" not in state:  # a lean mode's entry (LeanUpdates)
+            raise ValueError(
+                f"the checkpoint's master weights are {state.get('mode')!r}, this optimizer's "
+                f"are 'fp32'; build the optimizer with master_weights={state.get('mode')!r}"
+            )
+        saved = state["masters"]
+        if len(saved) != len(self._low) or any(
+            s.shape != m.shape for s, (_, m) in zip(saved, self._low)
+        ):
+            raise ValueError("master-weight state does not match the optimizer's parameters")
+        with torch.no_grad():
+            for s, (_, m) in zip(saved, self._low):
+                m.copy_(s)
+        self.masters_to_model()
+
+
+
+
+_TIE = 1 << 15
+
+
+def split_bits(master: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int16 ``d``, flat indices where ``d`` is ``+2**15``) for float32 ``master`` and
+    its round-to-nearest bfloat16 ``weight``.
+
+    >>> m = torch.tensor([1.0 + 2.0**-8, -3.0])  # a tie: halfway between two bfloat16s
+    >>> d, ties = split_bits(m, m.bfloat16())
+    >>> torch.equal(join_bits(m.bfloat16(), d, ties), m), ties.tolist()
+    (True, [0])
+    """
+    high = weight.view(torch.int16).to(torch.int32) << 16
+    diff = master.view(torch.int32) - high
+    ties = torch.nonzero(diff.flatten() == _TIE).flatten()
+    return diff.to(torch.int16), ties  # +2**15 wraps to -2**15; ``ties`` says which
+
+
+def join_bits(weight: torch.Tensor, low: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
+    """The float32 master that :func:`split_bits` split (bit-exact)."""
+    bits = (weight.view(torch.int16).to(torch.int32) << 16) + low.to(torch.int32)
+    if ties.numel():
+        bits.view(-1)[ties] += 2 * _TIE  # -2**15 back to +2**15
+    return bits.view(torch.float32)
+
+
+class SplitMasterWeights(MasterWeights):
+    """:class:`MasterWeights` whose float32 masters live only during the step.
+
+    Split float32 masters: the bfloat16 weight plus the master's low 16 bits beside it.
+
+    A float32 number is a bfloat16 number (its high 16 bits) and 16 more bits. The
+    model's bfloat16 weight is the master *rounded to nearest*, so its bits are the
+    master's high half or one more; the difference ``d = bits(master) - bits(weight) << 16``
+    lies in ``[-2**15, 2**15]`` and is kept as an int16 (``+2**15``, a tie rounded down,
+    is the one value int16 lacks: those rare positions are kept as a short index list).
+    Between steps only the weight and ``d`` exist; for the step the float32 master is
+    rebuilt bit for bit, stepped, rounded back into the weight and split again::
+
+        step:  master = float32(bits(weight) << 16 + d)   # exact
+               inner.step(master)                          # float32 state, as with fp32 masters
+               weight = round(master); d = bits(master) - bits(weight) << 16; free master
+
+    So training is bit-identical to ``master_weights="fp32"`` while the masters cost 2
+    bytes per parameter between steps instead of 4 (AdamW: 2 + 2 + 8 = 12 bytes, not 14).
+    bfloat16 parameters only; not with sharded (DTensor) parameters or ``use_ema``.
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    >>> opt = torch.optim.SGD([w], lr=2.0**-12)
+    >>> split = SplitMasterWeights(opt)
+    >>> w.grad = -torch.ones_like(w)
+    >>> split.grads_to_masters(); opt.step(); split.masters_to_model()
+    >>> split.masters[0].numel(), float(split.state_dict()["masters"][0][0])  # freed; exact
+    (0, 1.000244140625)
+    """
+
+    mode = "split"
+
+    @staticmethod
+    def check(optimizer: torch.optim.Optimizer) -> None:
+        MasterWeights.check(optimizer)
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            if p.dtype == torch.float16 or is_dtensor(p):
+                raise ValueError(
+                    "master_weights='split' needs plain bfloat16 parameters (the weight is the "
+                    f"master's high half), got a {'DTensor' if is_dtensor(p) else p.dtype} one; "
+                    "use master_weights='fp32'"
+                )
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.check(optimizer)
+        super().__init__(optimizer)
+        self._split: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._release()
+
+    def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        group = super().add_param_group(group)
+        self._release()
+        return group
+
+    def _rebuild(self) -> None:
+        """Materialise the float32 masters from the weights and their low halves."""
+        with torch.no_grad():
+            for p, m in self._low:
+                if id(m) in self._split:
+                    low, ties = self._split.pop(id(m))
+                    m.data = join_bits(p.detach(), low, ties)
+
+    def _release(self) -> None:
+        """Split the live masters into low halves and free their float32 storage."""
+        with torch.no_grad():
+            for p, m in self._low:
+                if id(m) not in self._split:
+                    self._split[id(m)] = split_bits(m.detach(), p.detach())
+                    m.data = torch.empty(0, dtype=torch.float32, device=m.device)
+                    m.grad = None
+
+    def grads_to_masters(self) -> None:
+        self._rebuild()
+        super().grads_to_masters()
+
+    def masters_to_model(self) -> None:
+        self._rebuild()  # copy_ema_to_params and checkpoint loads come here directly
+        super().masters_to_model()
+        self._release()
+
+    def state_dict(self) -> dict[str, Any]:
+        masters = []
+        for p, m in self._low:
+            low, ties = self._split.get(id(m), (None, None))
+            masters.append(m.detach().clone() if low is None else join_bits(p.detach(), low, ties))
+        return {"mode": self.mode, "masters": masters}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load exact masters: this mode's checkpoints or ``"fp32"``'s, interchangeably."""
+        self._rebuild()
+        super().load_state_dict(state)  # checks shapes, copies, rounds into the model, splits
+
+
+
+
+MASTER_WEIGHT_MODES = (False, "fp32", "split", "kahan", "stochastic")
+
+
+def master_weight_mode(value: Any) -> Any:
+    """Normalise ``master_weights=``: ``True`` means ``"fp32"``; raise on anything else.
+
+    >>> master_weight_mode(True), master_weight_mode("kahan"), master_weight_mode(False)
+    ('fp32', 'kahan', False)
+    """
+    if value is True:
+        return "fp32"
+    if not isinstance(value, (bool, str)):
+        raise TypeError(
+            f"master_weights must be True, False or one of 'fp32', 'split', 'kahan', 'stochastic', "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return check_choice("master_weights", value, MASTER_WEIGHT_MODES,
+                        hint="the README's lean training section says what each costs")  # fmt: skip
+
+
+def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round float32 ``x`` to bfloat16, up or down with probability by distance.
+
+    Adds 16 random low bits to the float32 pattern and truncates them, so a value that
+    bfloat16 holds exactly is returned unchanged.
+
+    >>> stochastic_round(torch.tensor([1.0, -2.5]))
+    tensor([ 1.0000, -2.5000], dtype=torch.bfloat16)
+    """
+    bits = x.float().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32,
+                          generator=generator)  # fmt: skip
+    rounded = (bits + noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def _decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+
+
+class LeanUpdates:
+    """Step ``optimizer``'s low-precision parameters in place with ``mode`` rounding.
+
+    Lean low-precision updates: float32-like accuracy without float32 master weights.
+
+    Stepping bfloat16 parameters directly loses every update smaller than half a unit in
+    the last place (``|update| / |weight| < 2**-9``): the model stalls. Float32 masters fix
+    that at 4 more bytes per parameter. The two lean modes fix it for 2 bytes or none:
+
+    - ``"kahan"``: a low-precision compensation buffer ``c`` per parameter carries what the
+      rounding of the last update lost (Kahan summation). 2 extra bytes per parameter.
+    - ``"stochastic"``: the updated value is rounded up or down at random, with probability
+      by distance, so updates are kept *on average*. No extra bytes; a seeded generator
+      (checkpointed) makes runs reproducible. bfloat16 parameters only.
+
+    Any inner optimizer whose update does not read the parameter's value (SGD, Adam,
+    AdamW, RMSprop, Adagrad, ... with decoupled or no weight decay) works: for the step,
+    each low-precision parameter's storage is swapped for a buffer (``c``, or zeros), so
+    the inner optimizer adds its update there, where it is small and so kept with full
+    relative precision, and its state (Adam's moments) is created in the parameter's
+    dtype. Decoupled weight decay is folded into that buffer. Then, in float32::
+
+        total = p + buffer                     # the old value plus the exact-ish update
+        kahan:      p = round(total);  c = total - p
+        stochastic: p = stochastic_round(total)
+
+    A skipped step leaves ``p`` and ``c`` exactly as they were. Bytes per parameter with
+    AdamW (moments in the parameter dtype): kahan 2 + 2 + 4 = 8, stochastic 2 + 4 = 6
+    (pure bfloat16 6, float32 12, float32 masters 14).
+
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.full((4,), 1.0, dtype=torch.bfloat16))
+    >>> opt = torch.optim.SGD([w], lr=1.0)
+    >>> lean = LeanUpdates(opt, "kahan")
+    >>> for _ in range(8):
+    ...     w.grad = torch.full_like(w, -2.0**-10)  # each step alone rounds away in bfloat16
+    ...     _ = lean.step(torch.zeros(()), skip=True)
+    >>> float(w.detach()[0] + lean.compensation[0][0].float())  # 1 + 8 * 2**-10
+    1.0078125
+
+    Takes the place of :class:`~mixprec.optim.MasterWeights` in a ``LossScaleOptimizer``
+    (``master_weights="kahan"`` or ``"stochastic"``): the same interface, no copies.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, mode: str, seed: int = 0) -> None:
+        self.check(optimizer, mode)
+        self.optimizer, self.mode, self.seed = optimizer, mode, seed
+        self.model_params: list[torch.Tensor] = []
+        self._low: list[torch.Tensor] = []
+        self.compensation: list[torch.Tensor] = []
+        self._generators: dict[str, torch.Generator] = {}
+        for group in optimizer.param_groups:
+            self._adopt(group["params"])
+
+    @staticmethod
+    def check(optimizer: torch.optim.Optimizer, mode: str) -> None:
+        """Raise ``ValueError`` unless ``mode`` can step ``optimizer``; change nothing."""
+        check_choice("mode", mode, ("kahan", "stochastic"))
+        for group in optimizer.param_groups:
+            LeanUpdates._check_group(optimizer, mode, group)
+        if not any(p.dtype in LOW_PRECISION for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError(
+                f"master_weights={mode!r} needs float16 or bfloat16 parameters, but every "
+                "parameter is float32; cast the model first or leave master_weights=False"
+            )
+
+    @staticmethod
+    def _check_group(optimizer: torch.optim.Optimizer, mode: str, group: dict[str, Any]) -> None:
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if group.get("weight_decay") and not _decoupled(optimizer, group):
+            raise ValueError(
+                f"master_weights={mode!r} cannot use {type(optimizer).__name__}'s "
+                f"coupled weight_decay={group['weight_decay']} (it reads the parameter inside "
+                "the step); set weight_decay=0 on the inner optimizer and pass "
+                "LossScaleOptimizer(weight_decay=...), or use AdamW"
+            )
+        for p in params:
+            if is_dtensor(p):
+                raise ValueError(
+                    f"master_weights={mode!r} does not support sharded (DTensor) "
+                    "parameters; use master_weights='fp32' with FSDP2"
+                )
+            if mode == "stochastic" and p.dtype == torch.float16:
+                raise ValueError(
+                    "master_weights='stochastic' rounds to bfloat16, but a parameter is "
+                    "float16; cast the model to bfloat16 or use master_weights='kahan'"
+                )
+
+    def _adopt(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            self.model_params.append(p)
+            if p.dtype not in LOW_PRECISION:
+                continue  # float32 parameters (kept normalisation layers) step as they are
+            self._low.append(p)
+            if self.mode == "kahan":
+                self.compensation.append(torch.zeros_like(p, memory_format=torch.preserve_format))
+            key = str(p.device)
+            if key not in self._generators:
+                self._generators[key] = torch.Generator(device=p.device).manual_seed(self.seed)
+
+    def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Check a new group and take on its parameters; return it unchanged."""
+        self._check_group(self.optimizer, self.mode, group)
+        params = group["params"]
+        self._adopt([params] if isinstance(params, torch.Tensor) else list(params))
+        return group
+
+    # The parameters are what is stepped: nothing to copy either way.
+    def grads_to_masters(self) -> None:
+        """Nothing to do: the inner optimizer reads the parameters' own gradients."""
+
+    def masters_to_model(self) -> None:
+        """Nothing to do: :meth:`step` writes the parameters in place."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the inner optimizer's ``zero_grad`` clears the gradients."""
+
+    def step(self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None = None) -> bool:
+        """The inner step with lean rounding (see the module docstring); ``weight_decay``
+        is ``LossScaleOptimizer``'s decoupled decay. Returns whether the host saw a skip."""
+        applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
+        low_ids = {id(p) for p in self._low}
+        with torch.no_grad():
+            if self.mode == "kahan":
+                buffers = self.compensation
+            else:
+                buffers = [torch.zeros_like(p) for p in self._low]
+            by_id = {id(p): b for p, b in zip(self._low, buffers)}
+            saved_decay = []
+            for group in self.optimizer.param_groups:
+                decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
+                if decay:  # the inner optimizer would decay the buffer: decay p into it
+                    factor = (group["lr"] * decay) * applied
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        if id(p) in low_ids:
+                            by_id[id(p)].sub_((p.float() * factor.to(p.device)).to(p.dtype))
+                        else:  # float32: decayed here, as the inner decay is switched off
+                            p.mul_(1.0 - factor.to(p.device, p.dtype))
+                if "weight_decay" in group:
+                    saved_decay.append((group, group["weight_decay"]))
+                    group["weight_decay"] = 0.0
+            originals = [p.data for p in self._low]
+            for p, b in zip(self._low, buffers):
+                p.data = b
+            try:
+                _, skipped = step_or_skip(self.optimizer, found_inf, skip=skip)
+            finally:
+                for p, data in zip(self._low, originals):
+                    p.data = data
+                for group, decay in saved_decay:
+                    group["weight_decay"] = decay
+            if skipped:
+                return True  # nothing was stepped; the buffers got only a zero decay
+            for p, b in zip(self._low, buffers):
+                if p.grad is None and self.mode == "stochastic":
+                    continue
+                total = p.float() + b.float()
+                if self.mode == "kahan":
+                    p.copy_(total)
+                    b.copy_(total - p.float())
+                else:
+                    p.copy_(stochastic_round(total, self._generators[str(p.device)]))
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "compensation": [c.detach().clone() for c in self.compensation],
+            "generators": {k: g.get_state() for k, g in self._generators.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("mode") if isinstance(state, dict) else None
+        if saved != self.mode:
+            raise ValueError(
+                f"the checkpoint's master weights are {saved or 'fp32'!r}, this optimizer's "
+                f"are {self.mode!r}; build the optimizer with master_weights={saved or 'fp32'!r}"
+            )
+        comp, gens = state["compensation"], state["generators"]
+        if (
+            len(comp) != len(self.compensation)
+            or any(s.shape != c.shape for s, c in zip(comp, self.compensation))
+            or set(gens) != set(self._generators)
+        ):
+            raise ValueError("lean master-weight state does not match the optimizer's parameters")
+        with torch.no_grad():
+            for s, c in zip(comp, self.compensation):
+                c.copy_(s)
+        for key, g in self._generators.items():
+            g.set_state(gens[key])
+
+
+def build_master(inner_optimizer: torch.optim.Optimizer, master_weights: Any) -> Any:
+    """The part that owns what is stepped: ``MasterWeights``, ``SplitMasterWeights``,
+    ``LeanUpdates``, or ``None`` (the model's parameters are stepped as they are)."""
+    mode = master_weight_mode(master_weights)
+    if mode in ("fp32", "split"):
+        return (MasterWeights if mode == "fp32" else SplitMasterWeights)(inner_optimizer)
+    return LeanUpdates(inner_optimizer, mode) if mode else None
