@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
-from mixprec._api_guard import claim_model
-from mixprec.amp import auto as amp_auto
-from mixprec.amp import levels as amp_levels
+from mixprec.amp import _levels as amp_auto
+from mixprec.amp import _levels as amp_levels
+from mixprec.amp._casting import claim_model
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
 

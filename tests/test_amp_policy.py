@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
-from mixprec._api_guard import claim_model, model_api
-from mixprec.amp import cast_hooks
+from mixprec.amp import _casting as cast_hooks
+from mixprec.amp._casting import claim_model, model_api
 from mixprec.policy import Policy, policy_scope, set_global_policy
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16

@@ -20,7 +20,7 @@ pytest.importorskip("accelerate", reason="needs the [hf] extra: pip install 'mix
 
 from accelerate import Accelerator  # noqa: E402
 
-from mixprec import DynamicLossScale, GradScaler, LossScaleOptimizer, amp  # noqa: E402
+from mixprec import DynamicLossScale, GradScaler, LossScaleOptimizer, amp, loss_scale_from_spec  # noqa: E402
 from mixprec.integrations.accelerate import LossScaleOptimizerScaler, initialize  # noqa: E402
 
 BATCH, CLIP, LR, EPOCHS, STEPS = 4, 0.05, 0.1, 2, 12
@@ -153,7 +153,7 @@ def test_a_scaler_checkpoint_of_another_kind_changes_nothing():
     del torch_like["mixprec"]
     with pytest.raises(ValueError, match="no 'mixprec' key"):
         scaler.load_state_dict(torch_like)
-    static = LossScaleOptimizerScaler(amp.levels.loss_scale_from_spec(8.0)).state_dict()
+    static = LossScaleOptimizerScaler(loss_scale_from_spec(8.0)).state_dict()
     with pytest.raises(ValueError, match="resume with the same kind of loss scale"):
         scaler.load_state_dict(static)
     assert scaler.state_dict()["mixprec"]["config"] == before["mixprec"]["config"]

@@ -261,7 +261,7 @@ def test_bad_arguments_are_clear_errors(kwargs, error, match):
 
 
 def test_auto_decides_by_the_device():
-    level, dtype, _ = amp.levels.choose_auto("cpu")
+    level, dtype, _ = amp.choose_auto("cpu")
     plugin = MixprecPrecision(level="auto", device="cpu")
     assert (plugin.level, plugin.dtype) == (level, dtype)
 

@@ -1,5 +1,5 @@
-"""The package layout: layers point down only, the core names no seed system, the old
-import paths still work for this release with a DeprecationWarning."""
+"""The package layout: layers point down only, the core names no seed system, and
+``import mixprec`` is cheap: the subpackages load on first use."""
 
 from __future__ import annotations
 
@@ -12,18 +12,21 @@ import sys
 import pytest
 
 import mixprec
-from mixprec._moved import MOVED_MODULES, MOVED_NAMES
 
 SRC = pathlib.Path(mixprec.__file__).parent
-CORE = ["loss_scale", "numerics.py", "policy.py", "dtypes.py", "_checks.py", "optim", "amp",
-        "rewrite", "diagnostics"]  # fmt: skip
+#: The core's modules and packages (each may be either, or merged into another).
+CORE = ["loss_scale", "numerics", "policy", "_checks", "optim", "amp", "rewrite",
+        "diagnostics"]  # fmt: skip
 SEED_WORDS = ("tensorflow", "keras", "mindspore", "manager", "sens")
 
 
 def core_files():
     for entry in CORE:
-        path = SRC / entry
-        yield from (sorted(path.glob("*.py")) if path.is_dir() else [path])
+        package, module = SRC / entry, SRC / f"{entry}.py"
+        if (package / "__init__.py").is_file():
+            yield from sorted(package.glob("*.py"))
+        elif module.is_file():
+            yield module
 
 
 def imported_modules(path: pathlib.Path) -> set[str]:
@@ -44,39 +47,105 @@ def test_the_core_imports_nothing_above_it_and_names_no_seed_system(path):
     assert not [w for w in SEED_WORDS if f" {w}" in text or f"{w}." in text or f"{w}_" in text]
 
 
-def test_no_module_is_over_400_lines_and_the_optimizer_is_at_most_300():
-    sizes = {p: len(p.read_text().splitlines()) for p in SRC.rglob("*.py")}
-    assert max(sizes.values()) <= 400, max(sizes, key=sizes.get)
-    assert sizes[SRC / "optim" / "loss_scale_optimizer.py"] <= 300
-
-
 def test_the_top_level_exports_about_twenty_names():
     assert 15 <= len(mixprec.__all__) <= 25
     assert all(hasattr(mixprec, name) for name in mixprec.__all__)
 
 
-@pytest.mark.parametrize("name", sorted(MOVED_NAMES))
-def test_old_top_level_names_warn_and_give_the_same_object(name):
-    with pytest.warns(DeprecationWarning, match=f"mixprec.{name} moved"):
-        old = getattr(mixprec, name)
-    assert old is getattr(importlib.import_module(MOVED_NAMES[name]), name)
+#: What ``import mixprec`` must leave unimported: each loads on first use.
+HEAVY = ("mixprec.amp", "mixprec.train", "mixprec.diagnostics", "mixprec.float8",
+         "mixprec.rewrite", "mixprec.integrations")  # fmt: skip
 
 
-def test_old_module_paths_import_the_new_module_with_a_warning():
-    # A fresh interpreter: the old names must not already sit in sys.modules.
+def test_import_mixprec_loads_no_heavy_subpackage():
+    # A fresh interpreter: this one has imported them all already.
     code = (
-        "import importlib, warnings\n"
-        f"for old, new in {sorted(MOVED_MODULES.items())!r}:\n"
-        "    with warnings.catch_warnings(record=True) as caught:\n"
-        "        warnings.simplefilter('always')\n"
-        "        module = importlib.import_module(old)\n"
-        "    assert module is importlib.import_module(new), (old, module)\n"
-        "    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)\n"
-        "               for w in caught), (old, [str(w.message) for w in caught])\n"
+        "import sys, mixprec\n"
+        f"heavy = {HEAVY!r}\n"
+        "print(sorted(m for m in sys.modules if m.startswith(heavy)))\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_exported_names_load_on_first_use():
+    assert set(mixprec.__all__) <= set(dir(mixprec))
+    assert mixprec.Model is importlib.import_module("mixprec.train").Model
+    assert mixprec.diagnose is importlib.import_module("mixprec.diagnostics").diagnose
+    assert mixprec.amp is importlib.import_module("mixprec.amp")
 
 
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
         _ = mixprec.nonsense
+
+
+# -- files per concept: what a reader follows ----------------------------------------------
+
+
+def files_run_by(action) -> list[str]:
+    """The mixprec source files whose functions run during ``action()`` (sys.setprofile)."""
+    files: set[str] = set()
+
+    def profile(frame, event, arg):
+        code = frame.f_code  # module bodies run once, at import: not part of the action
+        if event == "call" and code.co_name != "<module>" and code.co_filename.startswith(str(SRC)):
+            files.add(str(pathlib.Path(frame.f_code.co_filename).relative_to(SRC)))
+
+    sys.setprofile(profile)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return sorted(files)
+
+
+def o2_model_and_optimizer():
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+
+def test_one_o2_step_the_skip_decision_and_a_resume_run_through_a_handful_of_files():
+    import torch
+
+    from mixprec.amp import initialize
+    from mixprec.optim import LossScaleOptimizer
+
+    net, inner = o2_model_and_optimizer()
+    x = torch.randn(4, 8)
+    state = {}
+
+    def o2_step():
+        state["net"], state["opt"] = initialize(net, inner, "O2", torch.bfloat16)
+        loss = state["net"](x).float().square().mean()
+        state["opt"].scale_loss(loss).backward()
+        state["opt"].step()
+        state["opt"].zero_grad()
+
+    step_files = files_run_by(o2_step)
+    opt = state["opt"]
+    opt.scale_loss(state["net"](x).float().square().mean()).backward()
+    saved = opt.state_dict()
+    next(p for p in state["net"].parameters()).grad.fill_(float("inf"))
+    skip_files = files_run_by(opt.step)
+    assert int(opt.skipped_steps) == 1
+    resume_files = files_run_by(lambda: opt.load_state_dict(saved))
+
+    plain = torch.nn.Parameter(torch.ones(2))
+    plain_opt = LossScaleOptimizer(torch.optim.SGD([plain], lr=0.1))
+    plain_opt.scale_loss(plain.sum() * float("inf")).backward()
+    plain_skip_files = files_run_by(plain_opt.step)
+
+    for name, files in [("O2 step", step_files), ("skip decision (O2)", skip_files),
+                        ("skip decision (no masters)", plain_skip_files),
+                        ("optimizer resume", resume_files)]:  # fmt: skip
+        print(f"{name}: {len(files)} files: {', '.join(files)}")
+    assert len(step_files) <= 8, step_files
+    assert len(plain_skip_files) <= 3, plain_skip_files
+    assert len(skip_files) <= 4, skip_files  # the three, and the master weights
+    assert len(resume_files) <= 8, resume_files

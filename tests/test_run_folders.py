@@ -1,8 +1,9 @@
 """Run folders cannot be mixed up or lost: --out refuses an existing run unless
 --overwrite, --resume continues in its own folder (and --epochs N extends it), options
 that contradict the run are refused by name, corrupt checkpoints fall back to the newest
-readable one, keep_last prunes every older checkpoint, and bad output folders or inputs
-are one line and exit 2 before anything is written."""
+readable one, keep_last prunes every older checkpoint, and bad output folders, run
+folders of no or another format (mixprec 0.1.0's) or bad inputs are one line and exit 2
+before anything is written."""
 
 from __future__ import annotations
 
@@ -234,6 +235,26 @@ def test_no_readable_checkpoint_is_exit_2_and_nothing_is_written(tmp_path, monke
     line = one_error_line(capsys)
     assert f"--resume {run}: no readable checkpoint" in line
     assert digest(run) == before  # config.json and metrics.csv untouched
+
+
+@pytest.mark.parametrize("fmt", [None, "mixprec-run-0"], ids=["no format", "another format"])
+def test_a_run_folder_of_no_or_another_format_is_refused_in_one_line(
+    finished, tmp_path, capsys, fmt
+):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    config = json.loads((run / "config.json").read_text())
+    del config["format"]  # as mixprec 0.1.0 wrote it
+    if fmt is not None:
+        config["format"] = fmt
+    (run / "config.json").write_text(json.dumps(config))
+    before = digest(run)
+    assert train("--resume", str(run)) == 2
+    line = one_error_line(capsys)
+    found = "no format" if fmt is None else f"format {fmt!r}"
+    assert f"--resume {run}: its config.json has {found}; " in line
+    assert "reads 'mixprec-run-1'" in line
+    assert digest(run) == before
 
 
 def test_keep_last_prunes_every_older_checkpoint(finished, tmp_path, monkeypatch):

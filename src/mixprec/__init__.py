@@ -17,25 +17,31 @@ with op lists, and a ``Model.train`` front end. The layers, bottom up:
 * :mod:`mixprec.integrations` - Lightning, Transformers and Accelerate (optional extras);
 * :mod:`mixprec.tools` - host-sync counting, memory readings, local multi-rank runs.
 
+``import mixprec`` is cheap: each name below is imported on first use.
 See the README for a tour.
 """
 
-from mixprec import amp, compat, optim, rewrite, tools, train
-from mixprec._moved import install_module_aliases, moved_name
-from mixprec.diagnostics import diagnose
-from mixprec.loss_scale import (
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-    ScaleCollapseError,
-    StaticLossScale,
-    loss_scale_from_spec,
-)
-from mixprec.optim import GradScaler, LossScaleOptimizer, joint_step
-from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
-from mixprec.train import Model, TrainStep
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mixprec import amp, compat, optim, rewrite, tools, train
+    from mixprec.diagnostics import diagnose
+    from mixprec.loss_scale import (
+        DynamicLossScale,
+        LossScale,
+        NoOpLossScale,
+        ScaleCollapseError,
+        StaticLossScale,
+        loss_scale_from_spec,
+    )
+    from mixprec.optim import GradScaler, LossScaleOptimizer, joint_step
+    from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
+    from mixprec.train import Model, TrainStep
+
+__version__ = "0.2.0"
 
 __all__ = [
     "DynamicLossScale",
@@ -62,8 +68,39 @@ __all__ = [
     "train",
 ]
 
-install_module_aliases()
+_SUBPACKAGES = frozenset({"amp", "compat", "optim", "rewrite", "tools", "train"})
+#: Exported name -> the module it comes from, imported on first use.
+_LAZY_NAMES = {
+    **dict.fromkeys(
+        (
+            "DynamicLossScale",
+            "LossScale",
+            "NoOpLossScale",
+            "ScaleCollapseError",
+            "StaticLossScale",
+            "loss_scale_from_spec",
+        ),
+        "mixprec.loss_scale",
+    ),
+    **dict.fromkeys(("GradScaler", "LossScaleOptimizer", "joint_step"), "mixprec.optim"),
+    **dict.fromkeys(
+        ("Policy", "global_policy", "policy_scope", "set_global_policy"), "mixprec.policy"
+    ),
+    **dict.fromkeys(("Model", "TrainStep"), "mixprec.train"),
+    "diagnose": "mixprec.diagnostics",
+}
 
 
-def __getattr__(name: str):  # names this package exported before it had layers
-    return moved_name(name)
+def __getattr__(name: str) -> Any:  # PEP 562: an exported name, imported on first use
+    if name in _SUBPACKAGES:
+        value: Any = importlib.import_module(f"{__name__}.{name}")
+    elif name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # the next lookup does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,4 +1,4 @@
-"""Argument validation shared by every layer: one wording for every bad value.
+"""Checks of user arguments: numbers, flags, choices, instances, and floating dtypes.
 
 Each check raises ``TypeError`` for a value of the wrong type and ``ValueError``
 for a value out of range; the message names the argument, the value received,
@@ -15,6 +15,18 @@ ValueError: steps must be an integer >= 1, got 0; pass e.g. steps=10
 Traceback (most recent call last):
 ...
 TypeError: fused must be True or False, got 'yes'
+
+The one table of floating dtype spellings, and the parsers every layer uses.
+----------------------------------------------------------------------------
+
+>>> as_dtype("bf16"), as_dtype(torch.float16), short_name(torch.bfloat16)
+(torch.bfloat16, torch.float16, 'bf16')
+>>> as_low_precision("half")
+torch.float16
+>>> as_low_precision(torch.float32)
+Traceback (most recent call last):
+...
+ValueError: dtype must be torch.float16 or torch.bfloat16 (or a name such as 'bf16'), got torch.float32
 """
 
 from __future__ import annotations
@@ -24,8 +36,23 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["check_bool", "check_number", "check_choice", "check_instance"]
+import torch
 
+__all__ = [
+    "check_bool",
+    "check_number",
+    "check_choice",
+    "check_instance",
+    "low_precision_of",
+    "DTYPE_NAMES",
+    "LOW_PRECISION",
+    "FLOATING",
+    "as_dtype",
+    "as_low_precision",
+    "short_name",
+    "FLOAT8_NAMES",
+    "as_float8_dtype",
+]
 
 def _fix(hint: str) -> str:
     return f"; {hint}" if hint else ""
@@ -104,3 +131,113 @@ def check_instance(name: str, value: Any, cls: type | tuple[type, ...], what: st
     if not isinstance(value, cls):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}{_fix(hint)}")
     return value
+
+
+#: Every accepted spelling of a floating dtype; the first for each dtype is its short name.
+DTYPE_NAMES: dict[str, torch.dtype] = {
+    "f32": torch.float32,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "f16": torch.float16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "f64": torch.float64,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+    "double": torch.float64,
+}
+
+#: The dtypes that mixed precision computes in.
+LOW_PRECISION: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+
+_SHORT: dict[torch.dtype, str] = {}
+for _name, _dtype in DTYPE_NAMES.items():
+    _SHORT.setdefault(_dtype, _name)
+
+#: Every floating dtype a policy may name.
+FLOATING: tuple[torch.dtype, ...] = tuple(_SHORT)
+
+
+def short_name(dtype: torch.dtype) -> str:
+    """The shortest spelling of ``dtype`` (``'f32'``, ``'bf16'``, ...)."""
+    return _SHORT[dtype]
+
+
+def as_dtype(value: Any, what: str = "dtype") -> torch.dtype:
+    """``value`` (a floating ``torch.dtype`` or one of its names) as a ``torch.dtype``.
+
+    Names are case-insensitive. ``what`` names the argument in error messages.
+    """
+    if isinstance(value, torch.dtype):
+        if value not in _SHORT:
+            raise ValueError(
+                f"{what} must be a floating dtype ({', '.join(map(str, FLOATING))}), got {value}"
+            )
+        return value
+    if isinstance(value, str):
+        dtype = DTYPE_NAMES.get(value.strip().lower())
+        if dtype is None:
+            raise ValueError(
+                f"{what}: unknown dtype {value!r}; accepted spellings: {', '.join(DTYPE_NAMES)}"
+            )
+        return dtype
+    raise TypeError(
+        f"{what} must be a torch.dtype or a dtype name such as 'bf16', "
+        f"got {type(value).__name__} {value!r}"
+    )
+
+
+def as_low_precision(value: Any, what: str = "dtype", hint: str = "") -> torch.dtype:
+    """``value`` as ``torch.float16`` or ``torch.bfloat16``; anything else is an error."""
+    expected = f"{what} must be torch.float16 or torch.bfloat16 (or a name such as 'bf16')"
+    fix = f"; {hint}" if hint else ""
+    if not isinstance(value, (torch.dtype, str)):
+        raise TypeError(f"{expected}, got {value!r} ({type(value).__name__}){fix}")
+    try:
+        dtype = as_dtype(value, what)
+    except ValueError:
+        raise ValueError(f"{expected}, got {value!r}{fix}") from None
+    if dtype not in LOW_PRECISION:
+        raise ValueError(f"{expected}, got {value!r}{fix}")
+    return dtype
+
+
+def low_precision_of(tensors: Any, default: torch.dtype = torch.float16) -> torch.dtype:
+    """The first float16/bfloat16 dtype among ``tensors`` (``default`` if there is none).
+
+    >>> low_precision_of([torch.ones(1), torch.ones(1, dtype=torch.bfloat16)])
+    torch.bfloat16
+    >>> low_precision_of([torch.ones(1)])
+    torch.float16
+    """
+    return next((t.dtype for t in tensors if t.dtype in LOW_PRECISION), default)
+
+
+#: Accepted spellings of the two float8 formats.
+FLOAT8_NAMES: dict[str, torch.dtype] = {
+    "e4m3": torch.float8_e4m3fn,
+    "e4m3fn": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+def as_float8_dtype(value: Any, what: str = "fp8_dtype") -> torch.dtype:
+    """``value`` (``torch.float8_e4m3fn``/``torch.float8_e5m2`` or a name) as a dtype.
+
+    >>> as_float8_dtype("e5m2")
+    torch.float8_e5m2
+    """
+    if isinstance(value, str) and value.strip().lower() in FLOAT8_NAMES:
+        return FLOAT8_NAMES[value.strip().lower()]
+    if isinstance(value, torch.dtype) and value in FLOAT8_NAMES.values():
+        return value
+    raise ValueError(
+        f"{what} must be torch.float8_e4m3fn or torch.float8_e5m2 (or a name such as "
+        f"'e4m3'), got {value!r}; use 'e4m3' for activations and weights, 'e5m2' for gradients"
+    )

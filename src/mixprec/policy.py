@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from mixprec.dtypes import DTYPE_NAMES, FLOATING, as_dtype, short_name
+from mixprec._checks import DTYPE_NAMES, FLOATING, as_dtype, short_name
 
 __all__ = [
     "Policy",

@@ -1,9 +1,13 @@
 """Mixed precision on module granularity: policies per module and levels O0-O3.
 
-* :func:`initialize` - levels O0-O3 and ``auto`` for a whole model and its optimizer.
+* :func:`initialize` - levels O0-O3, lean and ``auto`` for a whole model and its optimizer;
+  :func:`choose_auto` - the level and dtype ``auto`` picks on a device, and why.
 * :func:`set_policy`, :func:`to_float` - a :class:`~mixprec.Policy` for one module
   (one layer's own precision).
 * :func:`get_white_list`, :func:`get_black_list` - the default allow / deny lists.
+
+Two internal modules: ``_levels`` (the levels: plan, lists, the hardware's choice)
+and ``_casting`` (per-module policies, the cast hooks and their cache).
 
 >>> import torch
 >>> from mixprec import amp
@@ -16,13 +20,13 @@
 (torch.float32, 1)
 """
 
-from mixprec.amp.levels import LEVELS, initialize
-from mixprec.amp.lists import get_black_list, get_white_list
-from mixprec.amp.module_policy import compute_dtype, get_policy, set_policy, to_float
+from mixprec.amp._casting import compute_dtype, get_policy, set_policy, to_float
+from mixprec.amp._levels import LEVELS, choose_auto, get_black_list, get_white_list, initialize
 
 __all__ = [
     "LEVELS",
     "initialize",
+    "choose_auto",
     "set_policy",
     "to_float",
     "get_policy",

@@ -27,27 +27,46 @@ run folder holds and its rules), :mod:`mixprec.cli.train` and :mod:`mixprec.cli.
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import Any
 
 from mixprec.cli.args import UsageError, build_parser
-from mixprec.cli.compare import run_compare
-from mixprec.cli.diagnose import run_diagnose
-from mixprec.cli.train import DIVERGED, run_train
-from mixprec.train.data import DataError
 
 __all__ = ["main", "build_parser", "run_train", "run_compare", "run_diagnose"]
+
+#: Sub-command -> the module and function that run it. A sub-command's module (and torch
+#: with it) is imported only when that sub-command runs: ``--help`` and ``--version``
+#: need the parser alone.
+_COMMANDS = {
+    "train": ("mixprec.cli.train", "run_train"),
+    "compare": ("mixprec.cli.compare", "run_compare"),
+    "diagnose": ("mixprec.cli.diagnose", "run_diagnose"),
+}
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: run_train & co. load on first use
+    for module, function in _COMMANDS.values():
+        if name == function:
+            return getattr(importlib.import_module(module), function)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mixprec`` command; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
-        if args.command == "train":
-            run_train(args)
-        elif args.command == "diagnose":
-            run_diagnose(args)
-        else:
-            run_compare(args)
+    except UsageError as err:
+        print(f"mixprec: error: {err}", file=sys.stderr)
+        return 2
+    module, function = _COMMANDS[args.command]
+    run = getattr(importlib.import_module(module), function)
+    # Loaded with the sub-command's module (mixprec.cli.train, which each of them imports).
+    from mixprec.cli.train import DIVERGED
+    from mixprec.train.data import DataError
+
+    try:
+        run(args)
     except (UsageError, DataError) as err:
         print(f"mixprec: error: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,9 @@ exit code 2, never a usage dump.
 Options left out parse to ``None``; :func:`fill_defaults` fills in :data:`DEFAULTS` and
 says which options were given (a resumed run refuses given options that contradict it).
 
+This module does not import torch: ``mixprec --help`` and ``mixprec --version`` print
+without it (the choices come from :mod:`mixprec.train._names`).
+
 >>> args = build_parser().parse_args(["train", "--epochs", "3", "--loss-scale", "1024"])
 >>> sorted(fill_defaults(args))
 ['epochs', 'loss_scale']
@@ -21,15 +24,13 @@ mixprec.cli.args.UsageError: argument --epochs: expected a positive int, got '0'
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
-import mixprec
-from mixprec.train.loop import AMP_LEVELS
-from mixprec.train.models import MODEL_NAMES
+from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 
 __all__ = ["DEFAULTS", "UsageError", "build_parser", "fill_defaults"]
 
@@ -58,6 +59,40 @@ def fill_defaults(args: argparse.Namespace) -> set[str]:
 
 class UsageError(Exception):
     """A problem with the command line or its inputs: one line, exit code 2."""
+
+
+def version_text() -> str:
+    """``mixprec X (torch Y)``, without importing torch where it is not imported yet.
+
+    >>> version_text().startswith("mixprec ")
+    True
+    """
+    import mixprec  # cheap: the package's names load on first use
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch_version = str(torch.__version__)
+    else:
+        try:  # the installed distribution's version, which torch.__version__ repeats
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            import torch
+
+            torch_version = str(torch.__version__)
+    return f"mixprec {mixprec.__version__} (torch {torch_version})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: like argparse's own, with the text made when asked for."""
+
+    def __init__(
+        self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None
+    ) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(version_text())  # standard output, as argparse's own version action
+        parser.exit()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -257,8 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mixprec", description="Mixed-precision training for PyTorch.")
     parser.add_argument(
         "--version",
-        action="version",
-        version=f"mixprec {mixprec.__version__} (torch {torch.__version__})",
+        action=_VersionAction,
         help="print mixprec's version and exit",
     )
     sub = parser.add_subparsers(

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
+from mixprec._checks import as_dtype
 from mixprec.cli.args import UsageError
-from mixprec.dtypes import as_dtype
 from mixprec.train.callbacks import ModelCheckpoint
 from mixprec.train.checkpoint import CheckpointError, newest_readable
 
@@ -130,24 +130,23 @@ def read_config(folder: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UsageError(f"--resume {folder}: config.json is unreadable ({err})") from None
-    missing = (
-        ["settings"]
-        if not isinstance(config, dict)
-        else [k for k in (*RESUMED, "epochs") if k not in config]
-    )
+    if not isinstance(config, dict):
+        raise UsageError(f"--resume {folder}: config.json lacks settings")
+    if config.get("format") != RUN_FORMAT:
+        found = "no format" if "format" not in config else f"format {config['format']!r}"
+        raise UsageError(
+            f"--resume {folder}: its config.json has {found}; this version of mixprec "
+            f"reads {RUN_FORMAT!r}: resume it with the version that wrote it"
+        )
+    missing = [k for k in (*RESUMED, "amp_level", "epochs") if k not in config]
     if missing:
         raise UsageError(f"--resume {folder}: config.json lacks {', '.join(missing)}")
-    if config.get("format", RUN_FORMAT) != RUN_FORMAT:  # absent: written by mixprec 0.1.0
-        raise UsageError(
-            f"--resume {folder}: its config.json is in format {config['format']!r}; this "
-            f"version of mixprec reads {RUN_FORMAT!r}: resume it with the version that wrote it"
-        )
     return config
 
 
 def _same(key: str, given: Any, saved: Any) -> bool:
-    if key == "dtype":  # None: a run folder from before dtypes were recorded
-        return saved is None or as_dtype(given) == as_dtype(saved)
+    if key == "dtype":
+        return as_dtype(given) == as_dtype(saved)
     if key == "data":
         return saved is not None and Path(given).resolve() == Path(saved).resolve()
     words = ("dynamic", "none")
@@ -172,17 +171,17 @@ def resume_settings(args: argparse.Namespace, given: set[str]) -> argparse.Names
         )
     saved = read_config(folder)
     for key in RESUMED:
-        if key in given and not _same(key, getattr(args, key), saved.get(key)):
+        if key in given and not _same(key, getattr(args, key), saved[key]):
             flag = "--" + key.replace("_", "-")
             raise UsageError(
                 f"{flag} {getattr(args, key)} contradicts the run in {folder} ({key} "
-                f"{saved.get(key)}): a resumed run keeps its settings; leave {flag} out, or start "
+                f"{saved[key]}): a resumed run keeps its settings; leave {flag} out, or start "
                 "a new run with --out"
             )
     for key in RESUMED:
-        setattr(args, key, saved.get(key))  # a key newer than the run's format: not used
+        setattr(args, key, saved[key])
     args.requested_level = saved["level"]
-    args.level = saved.get("amp_level", saved["level"])  # "auto" as it was resolved
+    args.level = saved["amp_level"]  # "auto" as it was resolved
     args.data = None if saved["data"] is None else Path(saved["data"])
     for key in ("epochs", "device", "threads"):  # free to change, the run's own by default
         if key not in given:

@@ -19,11 +19,11 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mixprec.amp.levels import choose_auto, cpu_has_fast
+from mixprec.amp._levels import choose_auto, cpu_has_fast
 from mixprec.cli.args import UsageError, fill_defaults
 from mixprec.cli.run_folder import (
     KEEP_LAST,
@@ -33,7 +33,6 @@ from mixprec.cli.run_folder import (
     prepare_out,
     resume_settings,
 )
-from mixprec.float8 import Float8Report, convert_to_float8
 from mixprec.loss_scale import LossScale, ScaleCollapseError, loss_scale_from_spec
 from mixprec.train.callbacks import (
     Callback,
@@ -59,6 +58,9 @@ from mixprec.train.divergence import DivergenceError
 from mixprec.train.loop import Model, resolve_device
 from mixprec.train.models import build_model
 from mixprec.train.plots import plot_accuracy, plot_loss, plot_loss_scale
+
+if TYPE_CHECKING:
+    from mixprec.float8 import Float8Report
 
 __all__ = ["run_train", "build_run", "check_out_dir", "load_data", "DIVERGED"]
 
@@ -99,6 +101,9 @@ def _loss_scale(text: str) -> LossScale:
 
 def _to_float8(network: torch.nn.Module, args: argparse.Namespace) -> Float8Report:
     """``--fp8``: the network's eligible linear layers in float8 (before the amp level)."""
+    # Imported here: mixprec.float8 loads for --fp8 runs only.
+    from mixprec.float8 import convert_to_float8
+
     report = convert_to_float8(network, args.fp8)
     if not report.converted:
         reasons = "; ".join(f"{name}: {why}" for name, why in report.skipped.items())

@@ -11,8 +11,28 @@ name and lists the deliberate differences.
 * :mod:`mixprec.compat.mindspore` - ``Model``, loss-scale managers, ``LossMonitor``,
   ``to_float``, ``Momentum(loss_scale=)``, ``WithLossCell``, ``TrainOneStepCell``,
   ``TrainOneStepWithLossScaleCell``, the loss-scale update cells.
+
+Each module loads on first use (``mixprec.compat.tf`` does not import the MindSpore
+façade's training loop).
 """
 
-from mixprec.compat import keras, mindspore, tf
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mixprec.compat import keras, mindspore, tf
 
 __all__ = ["keras", "mindspore", "tf"]
+
+
+def __getattr__(name: str) -> ModuleType:  # PEP 562: a submodule, imported on first use
+    if name not in __all__:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -32,12 +32,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from mixprec._checks import check_instance, check_number
+from mixprec._checks import as_low_precision, check_instance, check_number
 from mixprec.diagnostics.histogram import ExponentHistogram
 from mixprec.diagnostics.layers import LayerStats
 from mixprec.diagnostics.report import PrecisionReport
-from mixprec.dtypes import as_low_precision
-from mixprec.float8 import read_float8_stats
 
 __all__ = ["diagnose"]
 
@@ -198,6 +196,9 @@ def diagnose(
             loss.reshape(()).float().backward()
             recorder.record_params()
             count += 1
+        # Imported here: mixprec.float8 loads only for a diagnosis, not with the package.
+        from mixprec.float8 import read_float8_stats
+
         float8 = read_float8_stats(model) or None  # before the buffers are restored
     finally:
         recorder.remove()

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from mixprec.dtypes import as_dtype
+from mixprec._checks import as_dtype
 
 __all__ = [
     "DtypeRange",

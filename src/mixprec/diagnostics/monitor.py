@@ -51,9 +51,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mixprec._checks import check_bool, check_instance, check_number
+from mixprec._checks import as_low_precision, check_bool, check_instance, check_number
 from mixprec.diagnostics.histogram import NUM_BINS, count_exponents_rows_, dtype_range
-from mixprec.dtypes import as_low_precision
 
 __all__ = ["GradientMonitor", "GradientSample", "DEFAULT_EVERY"]
 

@@ -42,13 +42,11 @@ from typing import Any
 
 import torch
 
-from mixprec._checks import check_instance, check_number
+from mixprec._checks import as_dtype, check_instance, check_number
 from mixprec.diagnostics.analysis import analyse, percent, power, scale_free_reason
 from mixprec.diagnostics.histogram import ExponentCounts
 from mixprec.diagnostics.layers import GRADIENTS, LayerStats
 from mixprec.diagnostics.scales import ScaleChoice
-from mixprec.dtypes import as_dtype
-from mixprec.float8.stats import TENSORS as FLOAT8_TENSORS
 
 __all__ = ["PrecisionReport", "REPORT_JSON", "REPORT_PNG"]
 
@@ -195,13 +193,17 @@ class PrecisionReport:
                 f"{power(c.lo)}..{power(c.hi)}; margin {below} bits below, {above} above"
             )
         lines += [f"warning: {note}" for note in self.notes]
-        for name, s in (self.float8 or {}).items():
-            lines.append(
-                f"float8 layer {name}: amax input {s['amax_input']:.3g}, weight "
-                f"{s['amax_weight']:.3g}, gradient {s['amax_grad']:.3g}; saturated "
-                + ", ".join(percent(s[f"saturated_fraction_{t}"]) for t in FLOAT8_TENSORS)
-                + " (input, weight, gradient)"
-            )
+        if self.float8:
+            # Imported here: mixprec.float8 loads only for a report that has float8 layers.
+            from mixprec.float8.stats import TENSORS as FLOAT8_TENSORS
+
+            for name, s in self.float8.items():
+                lines.append(
+                    f"float8 layer {name}: amax input {s['amax_input']:.3g}, weight "
+                    f"{s['amax_weight']:.3g}, gradient {s['amax_grad']:.3g}; saturated "
+                    + ", ".join(percent(s[f"saturated_fraction_{t}"]) for t in FLOAT8_TENSORS)
+                    + " (input, weight, gradient)"
+                )
         if not self.at_risk:
             lines.append(f"at risk under any single scale: none (everything fits {name_of})")
         else:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.dtypes import as_dtype
+from mixprec._checks import as_dtype
 from mixprec.float8.matmul import scaled_mm
 from mixprec.float8.scaling import Float8Scaling, make_scaling
 

@@ -18,6 +18,10 @@ tensor([[8.]])
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 __all__ = ["native_scaled_mm", "scaled_mm"]
@@ -26,8 +30,24 @@ __all__ = ["native_scaled_mm", "scaled_mm"]
 _PROBED: dict[str, bool] = {}
 
 
+def _assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.assume_constant_result(fn)`` without importing Dynamo.
+
+    That decorator only marks ``fn`` (``fn._dynamo_marked_constant = True``), and Dynamo
+    reads the mark when it traces a call to ``fn``; but it imports all of Dynamo first
+    (~1 s, most of ``import mixprec.float8``). The mark is set here directly, the way
+    torch marks its own ``justknobs_check``; where Dynamo is loaded already, its own
+    decorator does it.
+    """
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        return dynamo.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
 # A constant to torch.compile: the probe runs at trace time, not in the graph.
-@torch._dynamo.assume_constant_result
+@_assume_constant_result
 def native_scaled_mm(device_type: str) -> bool:
     """Whether ``torch._scaled_mm`` runs on this kind of device (probed once, cached).
 

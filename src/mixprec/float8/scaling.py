@@ -32,10 +32,16 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from mixprec._checks import check_bool, check_choice, check_instance, check_number
-from mixprec.dtypes import FLOAT8_NAMES, as_float8_dtype
+from mixprec._checks import (
+    FLOAT8_NAMES,
+    as_float8_dtype,
+    check_bool,
+    check_choice,
+    check_instance,
+    check_number,
+)
 
-__all__ = ["Float8Scaling", "DynamicScaling", "DelayedScaling", "as_float8_dtype", "make_scaling"]  # as_float8_dtype: from mixprec.dtypes
+__all__ = ["Float8Scaling", "DynamicScaling", "DelayedScaling", "as_float8_dtype", "make_scaling"]  # as_float8_dtype: from mixprec._checks
 
 
 class Float8Scaling(nn.Module):

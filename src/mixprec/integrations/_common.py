@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from mixprec.amp.levels import check_level_name, choose_auto, default_loss_scale
-from mixprec.dtypes import as_low_precision
-from mixprec.loss_scale import LossScale, loss_scale_from_spec
+from mixprec._checks import as_low_precision
+from mixprec.amp._levels import check_level_name, choose_auto
+from mixprec.loss_scale import LossScale, default_loss_scale, loss_scale_from_spec
 
-__all__ = ["require", "check_level", "level_loss_scale", "loss_scale_entry", "restore_loss_scale"]
+__all__ = ["require", "check_level", "level_loss_scale"]
 
 
 def require(module: str, extra: str, user: str) -> ModuleType:
@@ -48,34 +48,3 @@ def check_level(level: Any, dtype: Any, device: torch.device | str) -> tuple[str
 def level_loss_scale(spec: Any, level: str, dtype: torch.dtype) -> LossScale:
     """The loss scale ``spec`` names, or the level's own (``amp.initialize``'s rule) for ``None``."""
     return default_loss_scale(level, dtype) if spec is None else loss_scale_from_spec(spec)
-
-
-def loss_scale_entry(loss_scale: LossScale) -> dict[str, Any]:
-    """A loss scale's kind, configuration and state: plain values, ``weights_only``-loadable."""
-    return {
-        "kind": loss_scale.kind,
-        "config": loss_scale.get_config(),
-        "state": loss_scale.state_dict(),
-    }
-
-
-def restore_loss_scale(loss_scale: LossScale, entry: Any) -> None:
-    """Apply :func:`loss_scale_entry`'s output to ``loss_scale`` in place (it may be shared).
-
-    Everything is checked before anything changes: another kind of loss scale, a bad
-    configuration or state is a ``ValueError`` and leaves ``loss_scale`` as it was.
-    """
-    if not isinstance(entry, dict) or set(entry) != {"kind", "config", "state"}:
-        raise ValueError(
-            f"a saved loss scale has the keys ['config', 'kind', 'state'], got {entry!r:.200}"
-        )
-    if entry["kind"] != loss_scale.kind:
-        raise ValueError(
-            f"the checkpoint's loss scale is {entry['kind']!r}, this one is {loss_scale.kind!r}; "
-            "resume with the same kind of loss scale"
-        )
-    configured = type(loss_scale).from_config(entry["config"])  # validates the configuration
-    configured.load_state_dict(entry["state"])  # validates the state
-    for name in loss_scale.get_config():
-        setattr(loss_scale, name, getattr(configured, name))
-    loss_scale.load_state_dict(entry["state"])

@@ -32,13 +32,8 @@ import torch
 
 from mixprec import amp
 from mixprec._checks import check_instance, check_number
-from mixprec.integrations._common import (
-    check_level,
-    loss_scale_entry,
-    require,
-    restore_loss_scale,
-)
-from mixprec.loss_scale import LossScale
+from mixprec.integrations._common import check_level, require
+from mixprec.loss_scale import LossScale, loss_scale_state, restore_loss_scale
 from mixprec.numerics import unscale_and_check_
 from mixprec.optim import LossScaleOptimizer
 
@@ -179,7 +174,7 @@ class LossScaleOptimizerScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``scale`` key plus ``"mixprec"``: the loss scale's kind, config and state."""
-        return {"scale": self.get_scale(), "mixprec": loss_scale_entry(self.loss_scale)}
+        return {"scale": self.get_scale(), "mixprec": loss_scale_state(self.loss_scale)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (checked first; a bad one changes nothing)."""

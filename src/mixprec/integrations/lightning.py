@@ -41,7 +41,7 @@ import torch
 
 from mixprec import amp
 from mixprec._checks import check_bool
-from mixprec.amp.levels import check_fp8, level_master_weights
+from mixprec.amp._levels import check_fp8, level_master_weights
 from mixprec.integrations._common import check_level, level_loss_scale, require
 from mixprec.optim import LossScaleOptimizer
 

@@ -30,13 +30,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixprec._checks import check_number
 from mixprec.loss_scale import reduction_group
 from mixprec.numerics import (
     global_norm,
     group_by_device_and_dtype,
     is_dtensor,
-    is_flat_shard,
     local_shards,
 )
 
@@ -45,28 +43,9 @@ __all__ = [
     "clip_by_norm_",
     "clip_by_global_norm_",
     "clip_gradients_",
-    "clip_step_gradients_",
-    "check_clip_options",
-    "check_sharded_options",
     "norm_across_ranks",
     "decay_",
 ]
-
-
-def _check_threshold(name: str, value: Any) -> None:
-    check_number(name, value, minimum=0, exclusive=True, allow_none=True)
-
-
-def check_clip_options(clipnorm: Any, clipvalue: Any, global_clipnorm: Any) -> None:
-    """Validate the clipping options together (``clipnorm`` excludes ``global_clipnorm``)."""
-    _check_threshold("clipnorm", clipnorm)
-    _check_threshold("clipvalue", clipvalue)
-    _check_threshold("global_clipnorm", global_clipnorm)
-    if clipnorm is not None and global_clipnorm is not None:
-        raise ValueError(
-            f"clipnorm={clipnorm!r} and global_clipnorm={global_clipnorm!r} were both set; "
-            "they clip the same thing two ways, so set at most one of them"
-        )
 
 
 def _by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -163,22 +142,6 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
-def _refuse_clipnorm_on_flat_shards(clipnorm: Any) -> None:
-    raise NotImplementedError(
-        f"clipnorm={clipnorm!r} with FSDP1 (FullyShardedDataParallel) flat parameters: "
-        "each rank holds a slice of many tensors joined together, so no tensor's own "
-        "norm is known; use global_clipnorm=, or FSDP2 (fully_shard), whose DTensor "
-        "parameters clip per tensor"
-    )
-
-
-def check_sharded_options(optimizer: torch.optim.Optimizer, clipnorm: Any) -> None:
-    """Raise ``NotImplementedError`` for options that sharded parameters cannot support."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if clipnorm is not None and any(is_flat_shard(p) for p in params):
-        _refuse_clipnorm_on_flat_shards(clipnorm)
-
-
 def norm_across_ranks(
     grads: list[torch.Tensor], shards: list[torch.Tensor] = (), process_group: Any = None
 ) -> torch.Tensor:
@@ -208,29 +171,3 @@ def norm_across_ranks(
         return parts[0] if parts else torch.zeros((), dtype=torch.float32)
     device = parts[0].device
     return torch.linalg.vector_norm(torch.stack([p.to(device) for p in parts]), 2.0)
-
-
-def clip_step_gradients_(
-    params: list[torch.Tensor],
-    model_params: list[torch.Tensor],
-    *,
-    clipvalue: float | None,
-    clipnorm: float | None,
-    global_clipnorm: float | None,
-    process_group: Any = None,
-) -> None:
-    """Clip the gradients of the stepped ``params`` by the options that are set; norms
-    are the whole model's. ``model_params`` (the model's own parameters, in the same
-    order) tell which are FSDP1 flat shards."""
-    if clipvalue is None and clipnorm is None and global_clipnorm is None:
-        return
-    flat = {id(p) for p, m in zip(params, model_params) if is_flat_shard(m)}
-    grads = [p.grad for p in params if p.grad is not None and id(p) not in flat]
-    shards = [p.grad for p in params if p.grad is not None and id(p) in flat]
-    if shards and clipnorm is not None:  # a group added after construction
-        _refuse_clipnorm_on_flat_shards(clipnorm)
-    with torch.no_grad():
-        clip_gradients_(
-            grads, clipvalue, clipnorm, global_clipnorm,
-            shards=shards, process_group=process_group,
-        )  # fmt: skip

@@ -33,8 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from mixprec._checks import check_bool, check_number
-from mixprec.dtypes import low_precision_of
+from mixprec._checks import check_bool, check_number, low_precision_of
 from mixprec.loss_scale import (
     LossScale,
     agree_on_found_inf,
@@ -46,14 +45,9 @@ from mixprec.loss_scale import (
     restore_loss_scale,
     step_or_skip,
 )
-from mixprec.numerics import unscale_and_check_
+from mixprec.numerics import is_flat_shard, unscale_and_check_
 from mixprec.optim._accumulation import GradientAccumulator
-from mixprec.optim._clipping import (
-    check_clip_options,
-    check_sharded_options,
-    clip_step_gradients_,
-    decay_,
-)
+from mixprec.optim._clipping import clip_gradients_, decay_
 from mixprec.optim._ema import ParameterEMA
 from mixprec.optim._masters import (
     LeanUpdates,
@@ -245,6 +239,38 @@ class StepCounters:
         self.applied.copy_(state["iterations"].reshape(()))
         self.skipped.copy_(state["skipped_steps"].reshape(()))
         self.last_found_inf.copy_(state["last_step_skipped"].reshape(()).float())
+
+
+def _check_threshold(name: str, value: Any) -> None:
+    check_number(name, value, minimum=0, exclusive=True, allow_none=True)
+
+
+def check_clip_options(clipnorm: Any, clipvalue: Any, global_clipnorm: Any) -> None:
+    """Validate the clipping options together (``clipnorm`` excludes ``global_clipnorm``)."""
+    _check_threshold("clipnorm", clipnorm)
+    _check_threshold("clipvalue", clipvalue)
+    _check_threshold("global_clipnorm", global_clipnorm)
+    if clipnorm is not None and global_clipnorm is not None:
+        raise ValueError(
+            f"clipnorm={clipnorm!r} and global_clipnorm={global_clipnorm!r} were both set; "
+            "they clip the same thing two ways, so set at most one of them"
+        )
+
+
+def _refuse_clipnorm_on_flat_shards(clipnorm: Any) -> None:
+    raise NotImplementedError(
+        f"clipnorm={clipnorm!r} with FSDP1 (FullyShardedDataParallel) flat parameters: "
+        "each rank holds a slice of many tensors joined together, so no tensor's own "
+        "norm is known; use global_clipnorm=, or FSDP2 (fully_shard), whose DTensor "
+        "parameters clip per tensor"
+    )
+
+
+def check_sharded_options(optimizer: torch.optim.Optimizer, clipnorm: Any) -> None:
+    """Raise ``NotImplementedError`` for options that sharded parameters cannot support."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if clipnorm is not None and any(is_flat_shard(p) for p in params):
+        _refuse_clipnorm_on_flat_shards(clipnorm)
 
 
 def check_options(
@@ -524,11 +550,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         lean = self._master if isinstance(self._master, LeanUpdates) else None
         with torch.no_grad():
             if (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None):
-                clip_step_gradients_(
-                    params, self.model_params(), clipvalue=self.clipvalue,
-                    clipnorm=self.clipnorm, global_clipnorm=self.global_clipnorm,
-                    process_group=self.process_group,
-                )  # fmt: skip  # norms are the whole model's, across shards
+                self._clip(params)  # norms are the whole model's, across shards
             if self.decoupled_weight_decay and lean is None:
                 decay_(self._inner.param_groups, self.decoupled_weight_decay, applied)
         if lean is None:
@@ -541,6 +563,19 @@ class LossScaleOptimizer(OptimizerWrapper):
             self._master.masters_to_model()
         self._counters.record(found_inf)
         return skipped
+
+    def _clip(self, params: list[torch.Tensor]) -> None:
+        """Clip the gradients of the stepped ``params`` by the options set. FSDP1 flat
+        shards (slices of many tensors) count in the global norm over the process group."""
+        flat = {id(p) for p, m in zip(params, self.model_params()) if is_flat_shard(m)}
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in flat]
+        shards = [p.grad for p in params if p.grad is not None and id(p) in flat]
+        if shards and self.clipnorm is not None:  # a group added after construction
+            _refuse_clipnorm_on_flat_shards(self.clipnorm)
+        clip_gradients_(
+            grads, self.clipvalue, self.clipnorm, self.global_clipnorm,
+            shards=shards, process_group=self.process_group,
+        )  # fmt: skip
 
     def _step(self, unscaled: bool = False) -> None:
         """The step on the gradients in ``.grad``: still scaled, or already ``unscaled``."""

@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from mixprec._checks import check_choice
-from mixprec.dtypes import LOW_PRECISION
+from mixprec._checks import LOW_PRECISION, check_choice
 from mixprec.loss_scale import step_or_skip
 from mixprec.numerics import is_dtensor, local_shards
 

@@ -18,9 +18,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from mixprec._api_guard import claim_model, model_api
-from mixprec._checks import check_bool, check_number
-from mixprec.dtypes import as_low_precision
+from mixprec._checks import as_low_precision, check_bool, check_number
+from mixprec.amp._casting import claim_model, model_api
 from mixprec.rewrite.capture import capture
 from mixprec.rewrite.casts import apply_plan
 from mixprec.rewrite.lazy import DEFAULT_MAX_CAPTURES, LazyRewrite

@@ -36,11 +36,9 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.export import Dim
 from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
-from mixprec.float8.linear import Float8Linear
 from mixprec.rewrite.modes import follow_training_mode
 from mixprec.rewrite.nodes import mutated_arg_names
 
@@ -130,6 +128,8 @@ def _where(err: BaseException) -> str:
 
 
 def _dynamic_batch(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    from torch.export import Dim  # loaded where used
+
     def spec(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
             return {0: Dim.AUTO}
@@ -138,8 +138,17 @@ def _dynamic_batch(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(pytree.tree_map(spec, arg) for arg in args)
 
 
+def _is_float8_layer(module: nn.Module) -> bool:
+    # Imported here: mixprec.float8 loads only when a model is captured, not with the package.
+    from mixprec.float8.linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
 def _export(model: nn.Module, args: tuple[Any, ...]) -> fx.GraphModule:
-    program = torch.export.export(model, args, dynamic_shapes=_dynamic_batch(args), strict=False)
+    from torch.export import export  # loaded where used
+
+    program = export(model, args, dynamic_shapes=_dynamic_batch(args), strict=False)
     unlifted = program.module()
     # A plain GraphModule over the same graph and attributes: the exported
     # module's class forbids train()/eval(), which the rewritten model needs.
@@ -148,7 +157,7 @@ def _export(model: nn.Module, args: tuple[Any, ...]) -> fx.GraphModule:
 
 class _Tracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, Float8Linear):
+        if _is_float8_layer(m):
             return True  # one call: its float8 backward is a custom autograd function
         if isinstance(m, _TRACE_THROUGH):
             return False
@@ -248,7 +257,7 @@ def capture(
     try:
         model.train(training)
         try:
-            if any(isinstance(m, Float8Linear) for m in model.modules()):
+            if any(_is_float8_layer(m) for m in model.modules()):
                 raise _KeptWhole(
                     "float8 layers stay whole calls, which torch.export cannot keep (it would "
                     "trace through their custom backward)"

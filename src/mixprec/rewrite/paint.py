@@ -48,7 +48,6 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import fx, nn
 
-from mixprec.float8.linear import Float8Linear
 from mixprec.rewrite.lists import AmpLists, check_level
 from mixprec.rewrite.nodes import (
     SHAPE_ONLY,
@@ -122,6 +121,9 @@ _MIXED_DTYPE_MODULES = frozenset({"batch_norm"})
 def _blocker(node: fx.Node, root: nn.Module | None, name: str) -> str | None:
     """Why a vertex can never be painted (``None`` when it can)."""
     if node.op == "call_module" and root is not None and name not in _MIXED_DTYPE_MODULES:
+        # Imported here: mixprec.float8 loads only when a graph is painted, not with the package.
+        from mixprec.float8.linear import Float8Linear
+
         module = root.get_submodule(str(node.target))
         if isinstance(module, Float8Linear):
             return FLOAT8_REASON

@@ -34,19 +34,17 @@ from typing import Any
 
 import torch
 
-from mixprec._checks import check_bool, check_choice, check_instance, check_number
-from mixprec.amp.levels import choose_auto
-from mixprec.dtypes import as_low_precision
-from mixprec.loss_scale import DynamicLossScale, loss_scale_from_spec
+from mixprec._checks import as_low_precision, check_bool, check_choice, check_instance, check_number
+from mixprec.amp._levels import choose_auto
+from mixprec.loss_scale import default_loss_scale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
 from mixprec.train import checkpoint
+from mixprec.train._names import AMP_LEVELS
 from mixprec.train.callbacks import Callback, CallbackList, History, RunState
 from mixprec.train.divergence import DivergenceGuard, resolve_guard
 from mixprec.train.metrics import build_metric
 
 __all__ = ["Model", "AMP_LEVELS", "resolve_dtype", "resolve_device", "default_low_precision_dtype"]
-
-AMP_LEVELS = ("O0", "O1", "O2", "O3", "lean", "auto", "rewrite")
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -116,9 +114,9 @@ class Model:
             level), or a ``LossScaleOptimizer``; ``None`` for evaluation only.
         metrics: dict ``name -> metric``, or a list of names (``"accuracy"``, ``"loss"``,
             ``"top5"``) or metric objects; default accuracy and loss.
-        amp_level: ``"O0"``-``"O3"``, ``"lean"``, ``"auto"`` (:mod:`mixprec.amp.levels`) or ``"rewrite"`` (the
+        amp_level: ``"O0"``-``"O3"``, ``"lean"``, ``"auto"`` (:func:`mixprec.amp.initialize`) or ``"rewrite"`` (the
             graph rewrite, built at the first batch). ``"auto"`` is decided here, by the
-            device (:func:`mixprec.amp.levels.choose_auto`): ``amp_level`` (and ``dtype``,
+            device (:func:`mixprec.amp.choose_auto`): ``amp_level`` (and ``dtype``,
             unless it is O0) then hold what it picked, and ``auto_reason`` says why.
         loss_scale: how the loss is scaled before backward: ``None`` for the level's
             default, ``"dynamic"`` (grow the scale while gradients stay finite, shrink it on
@@ -207,7 +205,8 @@ class Model:
                     optimizer
                     if isinstance(optimizer, LossScaleOptimizer)
                     else LossScaleOptimizer(
-                        optimizer, loss_scale=self._loss_scale or DynamicLossScale()
+                        optimizer,
+                        loss_scale=self._loss_scale or default_loss_scale("rewrite", self.dtype),
                     )
                 )
         else:

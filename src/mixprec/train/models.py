@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from mixprec._checks import check_instance, check_number
+from mixprec.train import _names
 
 __all__ = ["LeNet5", "MLP", "TransformerClassifier", "MODEL_NAMES", "build_model"]
 
@@ -267,8 +268,11 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "transformer": _build_transformer,
 }
 
-#: Names accepted by :func:`build_model`.
+#: Names accepted by :func:`build_model` (also in :mod:`mixprec.train._names`, which the
+#: command line reads without importing torch).
 MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
+if MODEL_NAMES != _names.MODEL_NAMES:  # one list changed without the other
+    raise ImportError(f"mixprec.train._names.MODEL_NAMES must be {MODEL_NAMES}")
 
 
 def build_model(

@@ -13,24 +13,31 @@ Each PNG also carries the numbers it plots as JSON in a PNG text chunk
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on training machines
-import matplotlib.pyplot as plt  # noqa: E402
 
 __all__ = ["plot_loss", "plot_accuracy", "plot_loss_scale", "plot_comparison", "read_plot_data"]
 
 DATA_KEY = "mixprec-data"
 
 
+@functools.cache
+def _pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, imported at the first plot (not with the module)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on training machines
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _save(fig, path: str | Path, data: Mapping) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100, metadata={DATA_KEY: json.dumps(data)})
-    plt.close(fig)
+    _pyplot().close(fig)
 
 
 def read_plot_data(path: str | Path) -> dict:
@@ -45,7 +52,7 @@ def plot_loss(
     losses: Sequence[float], path: str | Path, epoch_losses: Sequence[float] = ()
 ) -> None:
     """Per-step training loss (and per-epoch means, if given) against the step."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
     steps = list(range(1, len(losses) + 1))
     ax.plot(steps, losses, lw=0.8, alpha=0.6, label="step loss")
     if epoch_losses:
@@ -66,7 +73,7 @@ def plot_loss(
 
 def plot_accuracy(accuracies: Mapping[str, Sequence[float]], path: str | Path) -> None:
     """Accuracy per epoch, one line per series (e.g. ``train``, ``test``)."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
     for name, values in accuracies.items():
         ax.plot(range(1, len(values) + 1), values, "o-", label=name)
     ax.set(xlabel="epoch", ylabel="accuracy", title="Accuracy", ylim=(0, 1.02))
@@ -86,7 +93,7 @@ def plot_loss_scale(
     ``underflow``: ``(steps, fractions)`` of sampled gradient underflow (for example
     ``PrecisionMonitor.underflow_series()``), drawn against a second axis on the right.
     """
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
     steps = list(range(1, len(scales) + 1))
     ax.step(steps, scales, where="post", label="loss scale")
     marked = [s for s, skip in zip(steps, skipped) if skip]
@@ -114,7 +121,7 @@ def plot_loss_scale(
 def plot_comparison(rows: Sequence[Mapping], path: str | Path) -> None:
     """Bar charts of test accuracy and step time per configuration (``mixprec compare``)."""
     names = [str(r["config"]) for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = _pyplot().subplots(1, 2, figsize=(10, 4))
     axes[0].bar(names, [r["accuracy"] for r in rows], color="tab:green")
     axes[0].set(ylabel="test accuracy", ylim=(0, 1.02), title="Accuracy")
     axes[1].bar(names, [r["step_ms"] for r in rows], color="tab:blue")

@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from mixprec._checks import check_instance
 
@@ -168,6 +166,9 @@ class CallbackList(Callback):
 
 
 def _emit(line: str, file: IO[str] | None) -> None:
+    # Through tqdm, so that a line does not tear a progress bar; imported on first use.
+    from tqdm.auto import tqdm
+
     # Resolve sys.stdout at call time so redirection (and pytest capture) applies.
     tqdm.write(line, file=file if file is not None else sys.stdout)
 
@@ -178,4 +179,6 @@ def format_loss(loss: float) -> str:
     >>> format_loss(2.301896572113037)
     '2.3018966'
     """
+    import numpy as np  # imported on first use
+
     return str(np.float32(loss))

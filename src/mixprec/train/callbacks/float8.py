@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixprec.float8 import read_float8_stats
-from mixprec.float8.stats import TENSORS
 from mixprec.train.callbacks.base import Callback, RunState
 
 __all__ = ["Float8Monitor"]
@@ -47,6 +45,10 @@ class Float8Monitor(Callback):
                 "Float8Monitor needs the trainer's model in RunState.model; use it with "
                 "mixprec.Model.train"
             )
+        # Imported here: mixprec.float8 loads when the callback runs, not with mixprec.train.
+        from mixprec.float8 import read_float8_stats
+        from mixprec.float8.stats import TENSORS
+
         stats = read_float8_stats(state.model)
         if not stats:
             raise ValueError(

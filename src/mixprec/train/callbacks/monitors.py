@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Any
-
-from tqdm.auto import tqdm
+from typing import IO, TYPE_CHECKING, Any
 
 from mixprec._checks import check_bool, check_number
 from mixprec.train.callbacks.base import Callback, RunState, _emit, format_loss
+
+if TYPE_CHECKING:
+    from tqdm.auto import tqdm
 
 __all__ = ["LossMonitor", "LossScaleMonitor", "ProgressBar"]
 
@@ -161,6 +162,8 @@ class ProgressBar(Callback):
         return bool(isatty and isatty())
 
     def _bar(self, **kwargs: Any) -> tqdm:
+        from tqdm.auto import tqdm  # imported where a bar is shown
+
         return tqdm(
             file=self.file if self.file is not None else sys.stderr,
             disable=self.disable,

@@ -36,14 +36,15 @@ one to name an overflow (per device and dtype of the gradients). ``summary()`` i
 from __future__ import annotations
 
 import statistics
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from mixprec._checks import check_bool, check_number
-from mixprec.diagnostics.monitor import DEFAULT_EVERY, GradientMonitor
-from mixprec.dtypes import as_low_precision
+from mixprec._checks import as_low_precision, check_bool, check_number
 from mixprec.train.callbacks.base import Callback, RunState, _emit
+
+if TYPE_CHECKING:
+    from mixprec.diagnostics.monitor import GradientMonitor
 
 __all__ = ["PrecisionMonitor"]
 
@@ -69,7 +70,7 @@ class PrecisionMonitor(Callback):
 
     def __init__(
         self,
-        every: int = DEFAULT_EVERY,
+        every: int = 100,  # mixprec.diagnostics.DEFAULT_EVERY, not imported here
         dtype: Any = torch.float16,
         verbose: bool = True,
         file: IO[str] | None = None,
@@ -91,6 +92,9 @@ class PrecisionMonitor(Callback):
                 "PrecisionMonitor needs the trainer's optimizer in RunState.optimizer; "
                 "use it with mixprec.Model.train"
             )
+        # Imported here: mixprec.diagnostics loads when a run starts, not with mixprec.train.
+        from mixprec.diagnostics.monitor import GradientMonitor
+
         if self.monitor is not None:
             self.monitor.remove()
         self.monitor = GradientMonitor(

@@ -1,4 +1,6 @@
-"""``amp.initialize``: precision levels O0-O3 on module granularity.
+"""Amp levels O0-O3, lean and auto for a whole model and its optimizer: the plan, the lists, the hardware.
+
+``amp.initialize``: precision levels O0-O3 on module granularity.
 
 ::
 
@@ -38,39 +40,98 @@ inputs and all its parameters (``out_proj`` included) are cast on entry, and eve
 matmul inside runs low. ``nn.TransformerEncoderLayer`` works at every level in
 training and evaluation: its fused inference fast path declines modules with
 hooks and runs the regular layers.
+
+The plan of an amp level: which modules own a policy, and in which dtypes.
+--------------------------------------------------------------------------
+
+:func:`plan_level` decides it without touching the model; ``amp.initialize`` applies
+it. :func:`low_params` names the parameters a plan stores in low precision.
+
+``auto``: the amp level and low precision the hardware calls for, and why.
+--------------------------------------------------------------------------
+
+>>> import torch
+>>> level, dtype, reason = choose_auto("cpu")
+>>> (level, dtype) in (("O1", torch.bfloat16), ("O0", torch.float32))
+True
+
+Which module types and torch functions run in low precision, and which in float32.
+----------------------------------------------------------------------------------
+
+The *white list* (allow list) holds what is numerically safe and fast in float16 /
+bfloat16: matrix products and convolutions, as module types and as functions. The
+*black list* (deny list) holds what must stay float32: normalisation layers, whose
+statistics lose too much in 8 or 11 bits of mantissa, and the functions that
+``torch.autocast`` runs in float32 on CUDA (softmax, the norms, losses, exp/log/pow,
+sums and products), whose range or accumulation float16 cannot hold.
+
+``amp.initialize`` uses them per level: O1 runs white-listed modules and functions
+low inside a float32 model and keeps their outputs low, so the next white-listed op
+takes them without a cast, while black-listed modules and functions cast their inputs
+up and return float32 (what ``torch.autocast`` does); O2 runs black-listed modules in
+float32 inside a low model (the default functions are O1's: O2 computes everything
+else low by design). Wherever both apply, the innermost listed module (or the
+function) decides, so a black-listed layer inside a white-listed block stays float32.
+
+Entries are ``nn.Module`` subclasses (matched with ``isinstance``) or torch
+functions that ``__torch_function__`` can intercept (``torch.matmul``,
+``F.softmax``, ``torch.Tensor.bmm``...). A function also covers its namesakes in
+``torch``, ``torch.nn.functional`` and the ``torch.Tensor`` methods (``torch.matmul``
+covers ``a.matmul(b)`` and ``a @ b``). Functions are seen where the model's own
+forward code calls them, not inside another torch function: the matmuls inside
+``F.multi_head_attention_forward`` are reached by listing the module,
+``nn.MultiheadAttention``, which is on the default white list.
+
+>>> import torch
+>>> torch.nn.Linear in get_white_list(), torch.nn.LayerNorm in get_black_list()
+(True, True)
+>>> get_white_list() is get_white_list()        # copies: edit freely
+False
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import get_overridable_functions
 
-from mixprec._checks import check_bool, check_choice
-from mixprec.amp.auto import choose_auto, cpu_has_fast, resolve_level
-from mixprec.amp.cast_hooks import FunctionLists, get_state
-from mixprec.amp.level_plan import low_params, plan_level
-from mixprec.amp.lists import check_list, get_black_list, get_white_list, split_list
-from mixprec.amp.module_policy import apply_policies, check_module, claim_tree
-from mixprec.dtypes import as_low_precision
-from mixprec.float8 import convert_to_float8
-from mixprec.float8.scaling import RECIPES as FLOAT8_RECIPES
-from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, loss_scale_from_spec
+from mixprec._checks import LOW_PRECISION as _LOW
+from mixprec._checks import as_low_precision, check_bool, check_choice
+from mixprec.amp._casting import (
+    FunctionLists,
+    _walk_region,
+    apply_policies,
+    check_module,
+    claim_tree,
+    get_state,
+)
+from mixprec.loss_scale import LossScale, default_loss_scale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim._masters import master_weight_mode
+from mixprec.policy import Policy
 
 __all__ = [
     "initialize",
     "LEVELS",
     "check_fp8",
     "check_level_name",
-    "default_loss_scale",
     "level_master_weights",
     "resolve_level",
     "choose_auto",
     "cpu_has_fast",
+    "plan_level",
+    "low_params",
+    "get_white_list",
+    "get_black_list",
+    "check_list",
+    "split_list",
 ]
 
 _log = logging.getLogger("mixprec.amp")
@@ -114,20 +175,6 @@ def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int]) -> Non
             )
 
 
-def default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
-    """The loss scale :func:`initialize` gives ``level`` in ``dtype`` when none is passed.
-
-    >>> type(default_loss_scale("O2", torch.bfloat16)).__name__
-    'DynamicLossScale'
-    """
-    # O2 is dynamic for both dtypes (the classic O2): with bfloat16 it never backs
-    # off on finite gradients and costs nothing more than the finite check every
-    # level runs anyway. O1 scales only float16, whose gradients can underflow.
-    if level == "O2" or (level == "O1" and dtype == torch.float16):
-        return DynamicLossScale()
-    return NoOpLossScale()
-
-
 def _check_loss_scale(loss_scale: Any, level: str, dtype: torch.dtype) -> LossScale:
     if loss_scale is None:
         return default_loss_scale(level, dtype)
@@ -161,7 +208,7 @@ def initialize(
             gives ``None``). Use it as ``opt.scale_loss(loss).backward(); opt.step();
             opt.zero_grad()``.
         level: ``"O0"``, ``"O1"``, ``"O2"``, ``"O3"``, ``"lean"`` or ``"auto"`` (table
-            in :mod:`mixprec.amp.levels`).
+            in this module).
         dtype: the low precision, ``torch.float16`` or ``torch.bfloat16``.
         keep_batchnorm_fp32: keep normalisation layers float32; default ``True`` for
             O2, ``False`` for O3; O0/O1 always keep them.
@@ -203,7 +250,7 @@ def initialize(
         plan <- owners and policies for the level    # see level_plan.plan_level
         store each region's parameters in its param dtype (in place, same Parameters)
         fp8: swap eligible nn.Linear layers for Float8Linear (same Parameters)
-        install the hooks (mixprec.amp.cast_hooks); O1: function-cast mode on the root
+        install the hooks (mixprec.amp._casting); O1: function-cast mode on the root
         optimizer -> LossScaleOptimizer(optimizer, loss_scale, master_weights)
 
     >>> import torch
@@ -290,6 +337,8 @@ def initialize(
     if optimizer is not None and level == "O3" and dtype == torch.float16:
         _check_optimizer_eps(optimizer, low_params(model, plan))
     if fp8_recipe:
+        from mixprec.float8 import convert_to_float8  # float8 loads only when asked for
+
         report = convert_to_float8(model, fp8_recipe)
         if not report.converted:  # nothing was swapped: the model is as it was
             raise ValueError(
@@ -323,7 +372,9 @@ def check_fp8(fp8: Any) -> str | None:
         return "dynamic"
     if not isinstance(fp8, str):
         raise TypeError(f"fp8 must be a bool or a recipe name, got {type(fp8).__name__} {fp8!r}")
-    return check_choice("fp8", fp8, tuple(FLOAT8_RECIPES), hint="or True for 'dynamic'")
+    from mixprec.float8.scaling import RECIPES
+
+    return check_choice("fp8", fp8, tuple(RECIPES), hint="or True for 'dynamic'")
 
 
 def level_master_weights(level: str) -> str | bool:
@@ -353,3 +404,334 @@ def _check_master_weights(value: Any, level: str, dtype: torch.dtype, optimizer:
             "use dtype=torch.bfloat16, or master_weights='fp32'/'kahan' for float16"
         )
     return mode
+
+
+# --------------------------------------------------------------------------------------
+
+def plan_level(
+    model: nn.Module,
+    level: str,
+    dtype: torch.dtype,
+    white: tuple[type[nn.Module], ...],
+    black: tuple[type[nn.Module], ...],
+) -> list[tuple[nn.Module, Policy, bool]]:
+    """The owners and policies that ``level`` gives ``model`` (no change to the model).
+
+    ::
+
+        r0 <- f32 for O0/O1, low for O2/O3; the root itself listed: flip it as below
+        root <- (param dtype of r0's regions, r0, f32)
+        walk(module, region dtype r):
+            child has a user policy: keep it, skip its subtree
+            r != low and child in white: child <- (p, low, out(low, r)); walk(child, low)
+            (r == low or O1) and child in black: child <- (f32, f32, out(f32, r)); walk(child, f32)
+            else: walk(child, r)
+
+    with ``p`` float32 in O1 (parameters cast on the fly) and ``low`` in O2/O3, and
+    ``out(own, r)`` the child's own dtype in O1 (as ``torch.autocast``: an allow-listed
+    op's output stays low for the next one, a deny-listed op casts up and returns
+    float32) and the region's ``r`` in O2/O3 (the model around the child keeps its dtype).
+    """
+    f32 = torch.float32
+    white_param = f32 if level == "O1" else dtype
+    root_dtype = f32 if level in ("O0", "O1") else dtype
+    root_param = root_dtype
+    # The model may itself be a listed module (amp.initialize(nn.Linear(...)), "O1").
+    if root_dtype != dtype and white and isinstance(model, white):
+        root_dtype, root_param = dtype, white_param
+    elif root_dtype == dtype and black and isinstance(model, black):
+        root_dtype = root_param = f32
+    plan = [
+        (model, Policy(param_dtype=root_param, compute_dtype=root_dtype, output_dtype=f32), False)
+    ]
+
+    def walk(module: nn.Module, region: torch.dtype, seen: set[int]) -> None:
+        for child in module._modules.values():
+            if child is None or id(child) in seen:
+                continue
+            seen.add(id(child))
+            state = get_state(child)
+            if state is not None and state.policy is not None and state.user_policy:
+                continue
+            if region != dtype and white and isinstance(child, white):
+                out = dtype if level == "O1" else region
+                policy = Policy(param_dtype=white_param, compute_dtype=dtype, output_dtype=out)
+                plan.append((child, policy, False))
+                walk(child, dtype, seen)
+            elif (region == dtype or level == "O1") and black and isinstance(child, black):
+                out = f32 if level == "O1" else region
+                plan.append((child, Policy(param_dtype=f32, output_dtype=out), False))
+                walk(child, f32, seen)
+            else:
+                walk(child, region, seen)
+
+    walk(model, root_dtype, {id(model)})
+    return plan
+
+
+def low_params(model: nn.Module, plan: list[tuple[nn.Module, Policy, bool]]) -> set[int]:
+    """Ids of the parameters the plan stores in low precision."""
+    owners = {id(m) for m, _, _ in plan}
+    owners |= {id(m) for m in model.modules() if (s := get_state(m)) and s.policy is not None}
+    low: set[int] = set()
+    for owner, policy, _ in plan:
+        if policy.param_dtype in _LOW:
+            for module in _walk_region(owner, owners - {id(owner)}):
+                low |= {id(p) for p in module._parameters.values() if p is not None}
+    return low
+
+
+# --------------------------------------------------------------------------------------
+
+
+# What "auto" means on a CPU, decided by measurement (AVX512-BF16 CPU, one thread,
+# 4-layer transformer encoder d=512, 8 heads, seq 128, batch 8, forward + backward +
+# AdamW step, CPU time as a fraction of float32's, several runs): O2 bf16 0.36-0.37,
+# O1 bf16 0.38-0.40, torch.autocast bf16 0.35-0.36. O1 casts every activation into
+# and out of each allow-listed layer; O2 keeps weights and activations in bf16 and
+# pays only the float32 norm boundaries and the master-weight copies.
+_CPU_AUTO_LEVEL = "O1"
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return torch.device("cpu") if tensor is None else tensor.device
+
+
+def cpu_has_fast(dtype: torch.dtype) -> bool:
+    """Whether this CPU has ``dtype`` units, by oneDNN's check (else, e.g. AVX2 only, its
+    matmuls are emulated ~100x slower than float32).
+
+    >>> cpu_has_fast(torch.bfloat16) in (True, False)
+    True
+    """
+    name = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    try:
+        return bool(getattr(torch.ops.mkldnn, name[dtype])())
+    except (KeyError, AttributeError, RuntimeError):  # no such check in this build: no units
+        return False
+
+
+def choose_auto(device: torch.device | str) -> tuple[str, torch.dtype, str]:
+    """``(level, dtype, reason)``: what ``auto`` picks on ``device`` (table above), and why.
+
+    >>> level, dtype, reason = choose_auto("cpu")
+    >>> (level, dtype) in (("O1", torch.bfloat16), ("O0", torch.float32))
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        cap = "{}.{}".format(*torch.cuda.get_device_capability(device))
+        if torch.cuda.get_device_capability(device) >= (8, 0):
+            return "O2", torch.bfloat16, f"CUDA compute capability {cap} >= 8.0: bfloat16 units"
+        why = f"CUDA compute capability {cap} < 8.0: no bfloat16 units, float16 + loss scaling"
+        return "O2", torch.float16, why
+    if device.type != "cpu":
+        return "O0", torch.float32, f"no known fast low precision on {device.type}: float32"
+    if cpu_has_fast(torch.bfloat16):
+        return _CPU_AUTO_LEVEL, torch.bfloat16, "this CPU has bfloat16 units"
+    why = "this CPU has no bfloat16 units: bfloat16 would be emulated, far slower than float32"
+    return "O0", torch.float32, why
+
+
+def resolve_level(model: nn.Module, level: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
+    """The concrete ``(level, dtype)`` that ``level`` means for ``model`` (``auto`` decides)."""
+    if level != "auto":
+        return level, dtype
+    level, dtype, reason = choose_auto(_model_device(model))
+    _log.info("auto: level %s, %s: %s", level, dtype, reason)
+    return level, dtype
+
+
+# --------------------------------------------------------------------------------------
+
+_WHITE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.RNN,
+    nn.LSTM,
+    nn.GRU,
+    nn.RNNCell,
+    nn.LSTMCell,
+    nn.GRUCell,
+    nn.PReLU,
+    # Its projections are raw Parameters fed to F.multi_head_attention_forward: listing
+    # the module casts them (cached) and runs every matmul inside it low.
+    nn.MultiheadAttention,
+)
+
+_WHITE_FUNCTIONS: tuple[Any, ...] = (
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.baddbmm,
+    torch.addmm,
+    torch.addbmm,
+    torch.einsum,
+    F.linear,
+    F.bilinear,
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    F.conv_transpose1d,
+    F.conv_transpose2d,
+    F.conv_transpose3d,
+    F.prelu,
+    F.scaled_dot_product_attention,
+)
+
+_BLACK_MODULES: tuple[type[nn.Module], ...] = tuple(
+    cls
+    for cls in (
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        nn.SyncBatchNorm,
+        nn.LazyBatchNorm1d,
+        nn.LazyBatchNorm2d,
+        nn.LazyBatchNorm3d,
+        nn.InstanceNorm1d,
+        nn.InstanceNorm2d,
+        nn.InstanceNorm3d,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        getattr(nn, "RMSNorm", None),  # torch >= 2.4
+        nn.LocalResponseNorm,
+    )
+    if cls is not None
+)
+
+
+# As torch.autocast's float32 list on CUDA, for the functions a model's forward calls.
+_BLACK_FUNCTIONS: tuple[Any, ...] = (
+    F.softmax,
+    F.log_softmax,
+    F.softmin,
+    F.layer_norm,
+    F.group_norm,
+    F.cosine_similarity,
+    F.softplus,
+    F.pdist,
+    torch.cdist,
+    torch.dist,
+    torch.norm,
+    torch.renorm,
+    torch.exp,
+    torch.expm1,
+    torch.log,
+    torch.log2,
+    torch.log10,
+    torch.log1p,
+    torch.pow,
+    torch.rsqrt,
+    torch.reciprocal,
+    torch.logsumexp,
+    torch.sum,
+    torch.prod,
+    torch.cumsum,
+    torch.cumprod,
+    torch.acos,
+    torch.asin,
+    torch.cosh,
+    torch.sinh,
+    torch.tan,
+    torch.erfinv,
+    F.cross_entropy,
+    F.nll_loss,
+    F.mse_loss,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+    F.kl_div,
+    F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits,
+    F.poisson_nll_loss,
+    F.gaussian_nll_loss,
+    F.cosine_embedding_loss,
+    F.hinge_embedding_loss,
+    F.margin_ranking_loss,
+    F.soft_margin_loss,
+    F.multi_margin_loss,
+    F.multilabel_margin_loss,
+    F.multilabel_soft_margin_loss,
+    F.triplet_margin_loss,
+)
+
+
+def get_white_list() -> list[Any]:
+    """A copy of the default allow list: module types, then functions, run low in O1."""
+    return [*_WHITE_MODULES, *_WHITE_FUNCTIONS]
+
+
+def get_black_list() -> list[Any]:
+    """A copy of the default deny list: normalisation module types (float32 at O1 and
+    O2), then the float32 functions (O1)."""
+    return [*_BLACK_MODULES, *_BLACK_FUNCTIONS]
+
+
+@functools.lru_cache(maxsize=1)
+def _interceptable() -> frozenset:
+    return frozenset(f for fs in get_overridable_functions().values() for f in fs)
+
+
+def _namesakes(func: Any) -> set[Any]:
+    """``func`` and the same-named torch / functional / Tensor functions."""
+    name = getattr(func, "__name__", None)
+    found = {func}
+    if name is None:
+        return found
+    for namespace in (torch, F, torch.Tensor):
+        other = getattr(namespace, name, None)
+        if other is not None and other in _interceptable():
+            found.add(other)
+    if name == "matmul":
+        found.update({torch.Tensor.__matmul__, torch.Tensor.__rmatmul__})
+    return found
+
+
+def check_list(name: str, value: Any) -> tuple[Any, ...] | None:
+    """Validate a user's white or black list; return it as a tuple (``None`` stays)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, type)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{name} must be a list of nn.Module types and torch functions, got "
+            f"{type(value).__name__} {value!r}; e.g. {name}=[torch.nn.Linear, torch.matmul]"
+        )
+    items = tuple(value)
+    for item in items:
+        if isinstance(item, type):
+            if not issubclass(item, nn.Module):
+                raise TypeError(
+                    f"{name} entry {item!r} is a class but not an nn.Module subclass; "
+                    "list module types such as torch.nn.Linear"
+                )
+        elif isinstance(item, nn.Module):
+            raise TypeError(
+                f"{name} entry {type(item).__name__}(...) is a module instance; list its type, "
+                f"{type(item).__name__}, or give the instance its own policy with "
+                "mixprec.amp.set_policy / to_float"
+            )
+        elif item not in _interceptable():
+            raise TypeError(
+                f"{name} entry {item!r} is not a torch function that __torch_function__ can "
+                "intercept (torch.*, torch.nn.functional.*, torch.Tensor methods); put the code "
+                "in an nn.Module and list the module's type instead"
+            )
+    return items
+
+
+def split_list(items: Iterable[Any]) -> tuple[tuple[type[nn.Module], ...], frozenset]:
+    """``(module types, functions with their namesakes)`` of a checked list."""
+    modules = tuple(item for item in items if isinstance(item, type))
+    functions: set[Any] = set()
+    for item in items:
+        if not isinstance(item, type):
+            functions |= _namesakes(item)
+    return modules, frozenset(functions)
