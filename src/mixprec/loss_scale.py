@@ -597,8 +597,9 @@ def restore_loss_scale(loss_scale: LossScale, entry: Any) -> None:
     growth settings.
     """
     configured = checked_loss_scale(loss_scale, entry)
-    for name in loss_scale.get_config():
-        setattr(loss_scale, name, getattr(configured, name))
+    # The dataclass fields, not get_config()'s keys: a seed façade renames those.
+    for field in type(loss_scale)._config_fields():
+        setattr(loss_scale, field.name, getattr(configured, field.name))
     loss_scale.load_state_dict(entry["state"])
 
 
