@@ -45,7 +45,7 @@ from benchmarks._common import (
 from benchmarks.overhead import build_models
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer
-from mixprec.tools.spawn import run_on_ranks
+from mixprec.tools._spawn import run_on_ranks
 
 __all__ = ["run", "render", "targets"]
 

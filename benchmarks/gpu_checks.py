@@ -36,7 +36,7 @@ def _no_host_syncs(cuda: bool, found: list[str]) -> Iterator[None]:
         finally:
             torch.cuda.set_sync_debug_mode(previous)
         return
-    from mixprec.tools.syncs import HostSyncCounter
+    from mixprec.tools._syncs import HostSyncCounter
 
     with HostSyncCounter() as counter:
         yield

@@ -23,7 +23,7 @@ import torch
 
 from benchmarks._common import Preset, workload_main
 from benchmarks.overhead import ScalingTrainer, build_models, optimizer_factories
-from mixprec.tools.syncs import HostSyncCounter
+from mixprec.tools._syncs import HostSyncCounter
 
 __all__ = ["count_step", "run"]
 

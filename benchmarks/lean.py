@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from mixprec.optim import LossScaleOptimizer
-from mixprec.tools.memory import live_tensor_bytes
+from mixprec.tools._memory import live_tensor_bytes
 
 __all__ = ["measure", "run"]
 

@@ -32,7 +32,7 @@ import torch
 from benchmarks._common import PRESETS, Preset, low_dtypes, run_child, workload_parser
 from benchmarks.recipes import DTYPE_NAMES, RECIPES, build_recipe, make_optimizer, workload_model
 from benchmarks.throughput import MODELS, batch_for
-from mixprec.tools.memory import max_rss_mib, peak_rss_mib, proc_status_mib, reset_peak_rss
+from mixprec.tools._memory import max_rss_mib, peak_rss_mib, proc_status_mib, reset_peak_rss
 
 __all__ = ["measure", "run"]
 

@@ -42,7 +42,7 @@ from benchmarks._common import (
 from benchmarks.recipes import DTYPE_NAMES, Recipe, build_recipe, workload_model
 from benchmarks.throughput import MODELS, batch_for
 from mixprec.diagnostics import DEFAULT_EVERY, GradientMonitor
-from mixprec.tools.syncs import HostSyncCounter
+from mixprec.tools._syncs import HostSyncCounter
 
 __all__ = ["run", "run_model", "TARGET_OVERHEAD"]
 

@@ -539,7 +539,7 @@ How the numbers are taken:
   inner optimizer whose step does nothing: what is left is each wrapper's own
   work (unscale and check, scale update, bookkeeping); the tiny model shows the
   fixed cost per step. Where mixprec is slower there, the step is profiled.
-- Host syncs are counted with `mixprec.tools.syncs.HostSyncCounter` on one
+- Host syncs are counted with `mixprec.tools._syncs.HostSyncCounter` on one
   steady-state step: scalar reads and device-to-host copies. Adam without
   `capturable` reads its CPU step counters with `.item()` (no device sync on a
   GPU), so "inner alone" is listed and "added" is what the wrapper costs.

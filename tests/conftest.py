@@ -34,16 +34,16 @@ def dies_after_epoch(monkeypatch):
     """``dies_after_epoch(n)``: ``mixprec train`` in this test raises :class:`MachineWentAway`
     right after writing epoch ``n``'s checkpoint (as if the machine went away); returns
     the exception type. ``monkeypatch.undo()`` gives the real callback back."""
-    import mixprec.cli.train
+    import mixprec.cli._train
 
     def arm(epoch: int) -> type[Exception]:
-        class DiesAfterEpoch(mixprec.cli.train.ModelCheckpoint):
+        class DiesAfterEpoch(mixprec.cli._train.ModelCheckpoint):
             def on_epoch_end(self, state):
                 super().on_epoch_end(state)
                 if state.epoch == epoch:
                     raise MachineWentAway
 
-        monkeypatch.setattr(mixprec.cli.train, "ModelCheckpoint", DiesAfterEpoch)
+        monkeypatch.setattr(mixprec.cli._train, "ModelCheckpoint", DiesAfterEpoch)
         return MachineWentAway
 
     return arm

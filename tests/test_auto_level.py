@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.cli.train as cli_train
+import mixprec.cli._train as cli_train
 from mixprec import Model, amp
 from mixprec.amp import _levels as levels
 from mixprec.cli import main

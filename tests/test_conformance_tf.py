@@ -16,7 +16,7 @@ from mixprec.compat.tf import (
     LossScaleOptimizer,
     enable_mixed_precision_graph_rewrite,
 )
-from mixprec.compat.tf.loss_scale import loss_scale_config
+from mixprec.compat.tf._loss_scale import loss_scale_config
 
 F32_MAX = float(np.finfo(np.float32).max)
 

@@ -24,7 +24,7 @@ from mixprec.diagnostics import (
     diagnose,
     dtype_range,
 )
-from mixprec.diagnostics.scales import choose_scale
+from mixprec.diagnostics._scales import choose_scale
 
 F16_MAX_EXPONENT, F16_MIN_NORMAL = 15, 2.0**-14
 
@@ -393,7 +393,7 @@ def test_top_level_name():
 
 
 def test_rows_of_many_tensors_count_as_each_tensor_alone():
-    from mixprec.diagnostics.histogram import NUM_BINS, count_exponents_, count_exponents_rows_
+    from mixprec.diagnostics._histogram import NUM_BINS, count_exponents_, count_exponents_rows_
 
     tensors = [wide_values(n, seed=n) for n in (5, 0, 300, 1, 2000, 17)]
     tensors[3] = torch.zeros(1)

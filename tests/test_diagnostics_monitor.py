@@ -17,8 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from mixprec import LossScaleOptimizer, Model, amp
 from mixprec.diagnostics import GradientMonitor
 from mixprec.tools import HostSyncCounter
+from mixprec.train._plots import plot_loss_scale, read_plot_data
 from mixprec.train.callbacks import CSVLogger, History, PrecisionMonitor
-from mixprec.train.plots import plot_loss_scale, read_plot_data
 
 
 def mlp() -> nn.Sequential:

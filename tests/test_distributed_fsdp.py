@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer
-from mixprec.tools.spawn import run_on_ranks
+from mixprec.tools._spawn import run_on_ranks
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"

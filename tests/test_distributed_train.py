@@ -18,15 +18,15 @@ import torch
 import torch.distributed as dist
 
 from mixprec.cli import main
-from mixprec.cli.run_folder import RUN_FILES
-from mixprec.tools.spawn import ADDRESS, free_port, run_on_ranks
-from mixprec.train.data import train_test_loaders
-from mixprec.train.distributed import (
+from mixprec.cli._run_folder import RUN_FILES
+from mixprec.tools._spawn import ADDRESS, free_port, run_on_ranks
+from mixprec.train._distributed import (
     DistributedModel,
     for_this_rank,
     is_main_process,
     shard_loader,
 )
+from mixprec.train.data import train_test_loaders
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"

@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.cli.train as cli_train
+import mixprec.cli._train as cli_train
 from mixprec import DynamicLossScale, Model, ScaleCollapseError, amp
 from mixprec.cli import main
 from mixprec.tools import HostSyncCounter
+from mixprec.train._divergence import DivergenceError, DivergenceGuard
 from mixprec.train.callbacks import Callback, ModelCheckpoint, RunState
 from mixprec.train.data import train_test_loaders
-from mixprec.train.divergence import DivergenceError, DivergenceGuard
 from mixprec.train.models import MLP
 
 

@@ -38,7 +38,7 @@ def install_faults(faults: dict[str, Any], patch=setattr) -> None:
     """Patch this process's ``mixprec train`` (through ``patch(obj, name, value)``): inject
     inf/NaN into chosen batches, and SIGKILL it at a chosen training step or in the middle
     of a chosen checkpoint write."""
-    import mixprec.cli.train as cli_train
+    import mixprec.cli._train as cli_train
 
     inject, calls = faults.get("inject"), [0]
     kill_step, kill_save = faults.get("kill_step"), faults.get("kill_save")

@@ -231,7 +231,7 @@ def test_fsdp2_sharded_float8_layers_train_like_one_process():
     process on the global batch. Each rank scales its own activations and gradients, so
     the gradients differ from one process's by float8 rounding: up to (2**-3 + 2**-4) of
     their magnitude (e5m2 gradient times e4m3 operand), hence 0.25 of the update here."""
-    from mixprec.tools.spawn import run_on_ranks
+    from mixprec.tools._spawn import run_on_ranks
 
     first, second = run_on_ranks(_fsdp2_float8_rank, world_size=2, timeout=120)
     net = _fsdp_net()
@@ -312,7 +312,8 @@ def test_the_float32_emulation_computes_what_the_float8_kernel_does(dtypes, monk
     """Where ``torch._scaled_mm`` has no kernel (AVX2-only CPUs, older GPUs) the products are
     emulated in float32: exact products, so equal to a float64 reference up to float32
     summation, and to the kernel itself where this machine has one."""
-    from mixprec.float8 import as_float8_dtype, matmul
+    from mixprec.float8 import _matmul as matmul
+    from mixprec.float8 import as_float8_dtype
 
     gen = torch.Generator().manual_seed(0)
     a = (torch.randn(32, 64, generator=gen) * 8).to(as_float8_dtype(dtypes[0]))

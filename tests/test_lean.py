@@ -9,7 +9,7 @@ import torch
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim._masters import join_bits, split_bits, stochastic_round
-from mixprec.tools.memory import live_tensor_bytes
+from mixprec.tools._memory import live_tensor_bytes
 
 MODES = ["kahan", "stochastic"]
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 from torch import fx, nn
 
-import mixprec.rewrite.capture as capture_module
+import mixprec.rewrite._capture as capture_module
 from mixprec.amp._casting import model_api
 from mixprec.rewrite import CaptureError, count_casts, explain, rewrite
-from mixprec.rewrite.capture import capture, functionalize_inplace
-from mixprec.rewrite.modes import FLAG_NAME
+from mixprec.rewrite._capture import capture, functionalize_inplace
+from mixprec.rewrite._modes import FLAG_NAME
 
 A = torch.ops.aten
 

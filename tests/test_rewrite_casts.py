@@ -5,9 +5,9 @@ import torch
 from torch import fx
 
 from mixprec.rewrite import AmpLists
-from mixprec.rewrite.casts import CAST_OP, apply_plan, simplify_casts
-from mixprec.rewrite.paint import paint
-from mixprec.rewrite.plan import minimize_casts, plan_casts
+from mixprec.rewrite._casts import CAST_OP, apply_plan, simplify_casts
+from mixprec.rewrite._paint import paint
+from mixprec.rewrite._plan import minimize_casts, plan_casts
 
 A = torch.ops.aten
 LOW = torch.float16

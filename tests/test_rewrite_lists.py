@@ -3,7 +3,7 @@
 import pytest
 
 from mixprec.rewrite import ALLOW, CLEAR, DENY, INFER, PAINT_LEVELS, AmpLists, normalize_op_name
-from mixprec.rewrite.lists import check_level
+from mixprec.rewrite._lists import check_level
 
 DEFAULTS = {"allow": ALLOW, "infer": INFER, "deny": DENY, "clear": CLEAR}
 

@@ -7,7 +7,7 @@ import torch
 from torch import fx, nn
 
 from mixprec.rewrite import AmpLists
-from mixprec.rewrite.paint import paint
+from mixprec.rewrite._paint import paint
 
 A = torch.ops.aten
 

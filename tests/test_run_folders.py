@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import mixprec
-import mixprec.cli.train as cli_train
+import mixprec.cli._train as cli_train
 from mixprec.cli import main
 from mixprec.train.data import check_arrays
 

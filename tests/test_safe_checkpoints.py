@@ -17,13 +17,13 @@ import torch
 
 from mixprec import Model
 from mixprec.cli import main
-from mixprec.train.callbacks import Callback, ModelCheckpoint
-from mixprec.train.checkpoint import (
+from mixprec.train._checkpoint import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
     check_plain_data,
     read_checkpoint,
 )
+from mixprec.train.callbacks import Callback, ModelCheckpoint
 from mixprec.train.data import train_test_loaders
 from mixprec.train.models import MLP
 

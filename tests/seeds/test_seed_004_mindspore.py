@@ -705,7 +705,7 @@ def test_compat_names_are_the_core_ones():
     """Adapters only: the managers, LossMonitor and to_float are the core objects."""
     import mixprec
     from mixprec import amp
-    from mixprec.compat.mindspore import managers
+    from mixprec.compat.mindspore import _managers as managers
     from mixprec.train import callbacks
 
     assert ms.FixedLossScaleManager is managers.FixedLossScaleManager

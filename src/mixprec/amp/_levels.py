@@ -372,7 +372,7 @@ def check_fp8(fp8: Any) -> str | None:
         return "dynamic"
     if not isinstance(fp8, str):
         raise TypeError(f"fp8 must be a bool or a recipe name, got {type(fp8).__name__} {fp8!r}")
-    from mixprec.float8.scaling import RECIPES
+    from mixprec.float8._scaling import RECIPES
 
     return check_choice("fp8", fp8, tuple(RECIPES), hint="or True for 'dynamic'")
 

@@ -11,7 +11,7 @@ progress, and ends with the test accuracy. Into ``--out`` it writes ``config.jso
 (so peak memory is that configuration's own), and prints one table.
 
 ``mixprec diagnose`` runs a few batches through the same model in float32 and reports
-(:mod:`mixprec.cli.diagnose`) which layers a low-precision dtype would underflow or
+(:mod:`mixprec.cli._diagnose`) which layers a low-precision dtype would underflow or
 overflow, and the loss scale to use.
 
 Exit codes: 0 success; 2 bad input (a missing data file, an unknown level, an output
@@ -20,8 +20,8 @@ line on stderr before anything is written; 3 the run diverged (the loss scale co
 the loss stayed NaN, a weight became non-finite), reported in one line on stderr after
 the metrics, plots and finished epochs' checkpoints were saved.
 
-The parts: :mod:`mixprec.cli.args` (the parser), :mod:`mixprec.cli.run_folder` (what a
-run folder holds and its rules), :mod:`mixprec.cli.train` and :mod:`mixprec.cli.compare`
+The parts: :mod:`mixprec.cli._args` (the parser), :mod:`mixprec.cli._run_folder` (what a
+run folder holds and its rules), :mod:`mixprec.cli._train` and :mod:`mixprec.cli._compare`
 (the two commands).
 """
 
@@ -31,7 +31,7 @@ import importlib
 import sys
 from typing import Any
 
-from mixprec.cli.args import UsageError, build_parser
+from mixprec.cli._args import UsageError, build_parser
 
 __all__ = ["main", "build_parser", "run_train", "run_compare", "run_diagnose"]
 
@@ -39,9 +39,9 @@ __all__ = ["main", "build_parser", "run_train", "run_compare", "run_diagnose"]
 #: with it) is imported only when that sub-command runs: ``--help`` and ``--version``
 #: need the parser alone.
 _COMMANDS = {
-    "train": ("mixprec.cli.train", "run_train"),
-    "compare": ("mixprec.cli.compare", "run_compare"),
-    "diagnose": ("mixprec.cli.diagnose", "run_diagnose"),
+    "train": ("mixprec.cli._train", "run_train"),
+    "compare": ("mixprec.cli._compare", "run_compare"),
+    "diagnose": ("mixprec.cli._diagnose", "run_diagnose"),
 }
 
 
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module, function = _COMMANDS[args.command]
     run = getattr(importlib.import_module(module), function)
-    # Loaded with the sub-command's module (mixprec.cli.train, which each of them imports).
-    from mixprec.cli.train import DIVERGED
+    # Loaded with the sub-command's module (mixprec.cli._train, which each of them imports).
+    from mixprec.cli._train import DIVERGED
     from mixprec.train.data import DataError
 
     try:

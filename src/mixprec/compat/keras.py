@@ -25,7 +25,7 @@ import torch
 
 from mixprec._checks import check_bool, check_instance, check_number
 from mixprec.compat._optimizer_config import optimizer_config
-from mixprec.compat.tf.optimizer import TFOptimizerAPI, inner_from_config
+from mixprec.compat.tf._optimizer import TFOptimizerAPI, inner_from_config
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer as _CoreLossScaleOptimizer
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy

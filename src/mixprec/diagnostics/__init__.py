@@ -23,17 +23,17 @@
 (['bias', 'weight'], ())
 """
 
-from mixprec.diagnostics.collect import diagnose
-from mixprec.diagnostics.histogram import (
+from mixprec.diagnostics._collect import diagnose
+from mixprec.diagnostics._histogram import (
     DtypeRange,
     ExponentCounts,
     ExponentHistogram,
     dtype_range,
 )
-from mixprec.diagnostics.layers import LayerStats
-from mixprec.diagnostics.monitor import DEFAULT_EVERY, GradientMonitor, GradientSample
-from mixprec.diagnostics.report import PrecisionReport
-from mixprec.diagnostics.suggest import Suggestion
+from mixprec.diagnostics._layers import LayerStats
+from mixprec.diagnostics._monitor import DEFAULT_EVERY, GradientMonitor, GradientSample
+from mixprec.diagnostics._report import PrecisionReport
+from mixprec.diagnostics._suggest import Suggestion
 
 __all__ = [
     "diagnose",

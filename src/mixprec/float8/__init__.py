@@ -1,9 +1,9 @@
 """Float8 training: linear layers whose matmuls run in float8 with per-tensor scaling.
 
-The parts: :mod:`~mixprec.float8.scaling` (the scaling recipes, state machines in
-buffers), :mod:`~mixprec.float8.linear` (:class:`Float8Linear`),
-:mod:`~mixprec.float8.convert` (:func:`convert_to_float8` and its report) and
-:mod:`~mixprec.float8.stats` (per-layer amax and saturation). Activations and
+The parts: :mod:`~mixprec.float8._scaling` (the scaling recipes, state machines in
+buffers), :mod:`~mixprec.float8._linear` (:class:`Float8Linear`),
+:mod:`~mixprec.float8._convert` (:func:`convert_to_float8` and its report) and
+:mod:`~mixprec.float8._stats` (per-layer amax and saturation). Activations and
 weights are cast to float8_e4m3fn, output gradients to float8_e5m2; all three
 matmuls of a linear layer run through ``torch._scaled_mm``.
 
@@ -20,16 +20,16 @@ matmuls of a linear layer run through ``torch._scaled_mm``.
 ['amax_grad', 'amax_input', 'amax_weight', 'overflows_grad']
 """
 
-from mixprec.float8.convert import Float8Decision, Float8Report, convert_to_float8
-from mixprec.float8.linear import Float8Linear
-from mixprec.float8.scaling import (
+from mixprec.float8._convert import Float8Decision, Float8Report, convert_to_float8
+from mixprec.float8._linear import Float8Linear
+from mixprec.float8._scaling import (
     DelayedScaling,
     DynamicScaling,
     Float8Scaling,
     as_float8_dtype,
     make_scaling,
 )
-from mixprec.float8.stats import float8_stats, read_float8_stats
+from mixprec.float8._stats import float8_stats, read_float8_stats
 
 __all__ = [
     "convert_to_float8",

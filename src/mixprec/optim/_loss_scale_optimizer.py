@@ -439,7 +439,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         scaler.take_scaled(self)  # from now on, step() asks whether a loss was scaled
         self.gradient_monitor = None
         if monitor_every is not None:  # diagnostics load only when asked for
-            from mixprec.diagnostics.monitor import GradientMonitor
+            from mixprec.diagnostics._monitor import GradientMonitor
 
             self.gradient_monitor = GradientMonitor(
                 self, every=monitor_every, dtype=low_precision_of(self.model_params())

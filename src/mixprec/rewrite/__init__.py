@@ -25,11 +25,11 @@ converted 3/3 ops to bfloat16 using 4 casts
 (torch.float32, 'converted 1/1 ops to bfloat16 using 2 casts')
 """
 
-from mixprec.rewrite.api import rewrite
-from mixprec.rewrite.capture import CaptureError
-from mixprec.rewrite.explain import CastCounter, ReportRow, RewriteReport, count_casts, explain
-from mixprec.rewrite.lazy import LazyRewrite, RecaptureLimitError
-from mixprec.rewrite.lists import (
+from mixprec.rewrite._api import rewrite
+from mixprec.rewrite._capture import CaptureError
+from mixprec.rewrite._explain import CastCounter, ReportRow, RewriteReport, count_casts, explain
+from mixprec.rewrite._lazy import LazyRewrite, RecaptureLimitError
+from mixprec.rewrite._lists import (
     ALLOW,
     CLEAR,
     DENY,

@@ -1,7 +1,7 @@
 """Names the command line offers before torch loads: the amp levels and the model names.
 
 ``mixprec --help`` lists them as choices; this module imports nothing, so that the
-help (and ``--version``) print without importing torch. :mod:`mixprec.train.loop` and
+help (and ``--version``) print without importing torch. :mod:`mixprec.train._loop` and
 :mod:`mixprec.train.models` export them as ``AMP_LEVELS`` and ``MODEL_NAMES``.
 """
 

@@ -17,7 +17,7 @@ loss_scale_manager).train(epoch, dataset)`` and its pieces, in PyTorch:
 """
 
 from mixprec.amp import to_float
-from mixprec.compat.mindspore.cells import (
+from mixprec.compat.mindspore._cells import (
     CustomTrainOneStepCell,
     Momentum,
     SoftmaxCrossEntropyWithLogits,
@@ -25,17 +25,17 @@ from mixprec.compat.mindspore.cells import (
     WithLossCell,
     build_train_network,
 )
-from mixprec.compat.mindspore.loss_scale_cells import (
+from mixprec.compat.mindspore._loss_scale_cells import (
     DynamicLossScaleUpdateCell,
     FixedLossScaleUpdateCell,
     TrainOneStepWithLossScaleCell,
 )
-from mixprec.compat.mindspore.managers import (
+from mixprec.compat.mindspore._managers import (
     DynamicLossScaleManager,
     FixedLossScaleManager,
     LossScaleManager,
 )
-from mixprec.compat.mindspore.model import Model
+from mixprec.compat.mindspore._model import Model
 from mixprec.train.callbacks import LossMonitor
 from mixprec.train.metrics import Accuracy
 

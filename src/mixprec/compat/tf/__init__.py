@@ -1,12 +1,12 @@
 """TensorFlow's mixed-precision names, over the mixprec core.
 
-* :mod:`~mixprec.compat.tf.loss_scale` - ``DynamicLossScale``/``FixedLossScale``: the
+* :mod:`~mixprec.compat.tf._loss_scale` - ``DynamicLossScale``/``FixedLossScale``: the
   core loss scales with TF's argument names, ``__call__``, ``update(grads)``, configs
   and reprs.
-* :mod:`~mixprec.compat.tf.optimizer` - ``LossScaleOptimizer``: the core optimizer with
+* :mod:`~mixprec.compat.tf._optimizer` - ``LossScaleOptimizer``: the core optimizer with
   TF 2's constructor, ``minimize``/``get_scaled_loss``/``get_unscaled_gradients``/
   ``apply_gradients`` and ``get_config``/``from_config``.
-* :mod:`~mixprec.compat.tf.graph_rewrite` - ``enable_mixed_precision_graph_rewrite``:
+* :mod:`~mixprec.compat.tf._graph_rewrite` - ``enable_mixed_precision_graph_rewrite``:
   wraps an optimizer and, given a model, rewrites it with :func:`mixprec.rewrite.rewrite`.
 
 >>> import torch
@@ -22,9 +22,9 @@
 0.5
 """
 
-from mixprec.compat.tf.graph_rewrite import enable_mixed_precision_graph_rewrite
-from mixprec.compat.tf.loss_scale import DynamicLossScale, FixedLossScale
-from mixprec.compat.tf.optimizer import LossScaleOptimizer, TFOptimizerAPI
+from mixprec.compat.tf._graph_rewrite import enable_mixed_precision_graph_rewrite
+from mixprec.compat.tf._loss_scale import DynamicLossScale, FixedLossScale
+from mixprec.compat.tf._optimizer import LossScaleOptimizer, TFOptimizerAPI
 
 __all__ = [
     "DynamicLossScale",

@@ -32,12 +32,12 @@ epoch: 1 step: 2, loss is 0.5
 [0.75, 0.5]
 """
 
-from mixprec.train.callbacks.base import Callback, CallbackList, RunState, format_loss
-from mixprec.train.callbacks.control import EarlyStopping, LRScheduler, ModelCheckpoint
-from mixprec.train.callbacks.float8 import Float8Monitor
-from mixprec.train.callbacks.monitors import LossMonitor, LossScaleMonitor, ProgressBar
-from mixprec.train.callbacks.precision import PrecisionMonitor
-from mixprec.train.callbacks.records import CSVLogger, History
+from mixprec.train.callbacks._base import Callback, CallbackList, RunState, format_loss
+from mixprec.train.callbacks._control import EarlyStopping, LRScheduler, ModelCheckpoint
+from mixprec.train.callbacks._float8 import Float8Monitor
+from mixprec.train.callbacks._monitors import LossMonitor, LossScaleMonitor, ProgressBar
+from mixprec.train.callbacks._precision import PrecisionMonitor
+from mixprec.train.callbacks._records import CSVLogger, History
 
 __all__ = [
     "RunState",

@@ -1,0 +1,345 @@
+"""The ``mixprec`` command line: its parser, option types and defaults.
+
+:func:`build_parser` builds the ``train`` and ``compare`` sub-commands, which share
+the training options. A bad option is a :class:`UsageError`: one line on stderr and
+exit code 2, never a usage dump.
+
+Options left out parse to ``None``; :func:`fill_defaults` fills in :data:`DEFAULTS` and
+says which options were given (a resumed run refuses given options that contradict it).
+
+This module does not import torch: ``mixprec --help`` and ``mixprec --version`` print
+without it (the choices come from :mod:`mixprec.train._names`).
+
+>>> args = build_parser().parse_args(["train", "--epochs", "3", "--loss-scale", "1024"])
+>>> sorted(fill_defaults(args))
+['epochs', 'loss_scale']
+>>> args.command, args.level, args.epochs, args.loss_scale
+('train', 'O2', 3, '1024')
+>>> build_parser().parse_args(["train", "--epochs", "0"])
+Traceback (most recent call last):
+...
+mixprec.cli._args.UsageError: argument --epochs: expected a positive int, got '0'
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
+
+__all__ = ["DEFAULTS", "UsageError", "build_parser", "fill_defaults"]
+
+#: Defaults of the training options, filled in after parsing (:func:`fill_defaults`), so
+#: that a resumed run can tell a given option from a default.
+DEFAULTS = {
+    "level": "O2",
+    "loss_scale": "dynamic",
+    "model": "lenet5",
+    "epochs": 15,
+    "batch_size": 32,
+    "lr": 1e-2,
+    "seed": 0,
+}
+
+
+def fill_defaults(args: argparse.Namespace) -> set[str]:
+    """Put :data:`DEFAULTS` into the options left out; return the names of those given."""
+    given = {k for k, v in vars(args).items() if v is not None and v is not False}
+    given.discard("command")
+    for key, value in DEFAULTS.items():
+        if getattr(args, key, None) is None and hasattr(args, key):
+            setattr(args, key, value)
+    return given
+
+
+class UsageError(Exception):
+    """A problem with the command line or its inputs: one line, exit code 2."""
+
+
+def version_text() -> str:
+    """``mixprec X (torch Y)``, without importing torch where it is not imported yet.
+
+    >>> version_text().startswith("mixprec ")
+    True
+    """
+    import mixprec  # cheap: the package's names load on first use
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch_version = str(torch.__version__)
+    else:
+        try:  # the installed distribution's version, which torch.__version__ repeats
+            torch_version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:
+            import torch
+
+            torch_version = str(torch.__version__)
+    return f"mixprec {mixprec.__version__} (torch {torch_version})"
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: like argparse's own, with the text made when asked for."""
+
+    def __init__(
+        self, option_strings: list[str], dest: str = argparse.SUPPRESS, help: str | None = None
+    ) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(version_text())  # standard output, as argparse's own version action
+        parser.exit()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise UsageError(message)
+
+
+def _loss_scale_arg(text: str) -> str:
+    if text in ("dynamic", "none"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--loss-scale must be 'dynamic', 'none' or a positive number, got {text!r}"
+        ) from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"--loss-scale must be positive and finite, got {text!r}")
+    return text
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive {kind.__name__}, got {text!r}"
+            ) from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite {kind.__name__}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True) -> None:
+    if level_default:
+        p.add_argument(
+            "--level",
+            choices=AMP_LEVELS,
+            default=None,
+            help="amp level: O0 float32; O1 allow-list ops low; O2 all low but "
+            "normalisation, fp32 master weights; O3 all low; lean = O3 with Kahan-compensated "
+            "updates (bfloat16 accuracy near O2's at 8 bytes/param with AdamW); auto = by the hardware "
+            "(bfloat16 where it has bfloat16 units, float16 + loss scaling on older GPUs, "
+            f"else float32); rewrite = graph rewrite (default: {DEFAULTS['level']})",
+        )
+    p.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16"),
+        default=None,
+        help="low-precision dtype (default: float16 on CUDA, bfloat16 on CPU; "
+        "--level auto picks its own)",
+    )
+    p.add_argument(
+        "--loss-scale",
+        type=_loss_scale_arg,
+        default=None,
+        help=f"'dynamic', 'none' or a fixed number (default: {DEFAULTS['loss_scale']})",
+    )
+    p.add_argument(
+        "--model",
+        choices=MODEL_NAMES,
+        default=None,
+        help=f"network to train (default: {DEFAULTS['model']})",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help=".npz (arrays x, y) or .csv (last column = label) file, labels 0..C-1; "
+        "default: the embedded 8x8 digits",
+    )
+    p.add_argument(
+        "--epochs",
+        type=_positive(int),
+        default=None,
+        help=f"epochs in total (default: {DEFAULTS['epochs']}; with --resume, the run's "
+        "own, and a larger N extends the run to N epochs)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive(int),
+        default=None,
+        help=f"batch size (default: {DEFAULTS['batch_size']})",
+    )
+    p.add_argument(
+        "--lr",
+        type=_positive(float),
+        default=None,
+        help="peak AdamW learning rate of the one-cycle schedule, positive and finite "
+        f"(default: {DEFAULTS['lr']})",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help=f"seed for initialisation, data split and shuffling (default: {DEFAULTS['seed']})",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda if available; with --resume, the run's own)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive(int),
+        default=None,
+        help="CPU threads for PyTorch (default: PyTorch's choice; with --resume, the run's "
+        "own); 1 is fastest for small models on a busy machine",
+    )
+    p.add_argument(
+        "--fp8",
+        nargs="?",
+        const="dynamic",
+        default=None,
+        choices=("dynamic", "delayed"),
+        help="run the linear layers whose sizes are multiples of 16 in float8 (forward and "
+        "backward), with per-tensor scales: dynamic (default) or delayed (amax history)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the network through torch.compile (every level; the first steps compile)",
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress (otherwise a live bar on a terminal, one line per epoch elsewhere)",
+    )
+
+
+def _add_diagnose_command(sub: Any) -> None:
+    diagnose = sub.add_parser(
+        "diagnose",
+        help="report which layers underflow or overflow a dtype, and the loss scale to use",
+        description="Run a few batches through the model in float32 and report what a "
+        "low-precision dtype would do to each layer.",
+    )
+    diagnose.add_argument(
+        "--model",
+        choices=MODEL_NAMES,
+        default=DEFAULTS["model"],
+        help="network to diagnose (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help=".npz or .csv file as for train; default: the embedded digits",
+    )
+    diagnose.add_argument(
+        "--dtype",
+        choices=("float16", "bfloat16"),
+        default="float16",
+        help="the dtype to assess (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--batches",
+        type=_positive(int),
+        default=8,
+        help="training batches to run (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--batch-size",
+        type=_positive(int),
+        default=DEFAULTS["batch_size"],
+        help="batch size (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--tolerance",
+        type=_positive(float),
+        default=0.01,
+        help="fraction of a tensor allowed to underflow (default: %(default)s)",
+    )
+    diagnose.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULTS["seed"],
+        help="seed for initialisation and data split (default: %(default)s)",
+    )
+    diagnose.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
+    diagnose.add_argument("--threads", type=_positive(int), default=None, help="CPU threads")
+    diagnose.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/diagnose"),
+        help="output folder (default: %(default)s)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``mixprec`` parser, with its ``train`` and ``compare`` sub-commands."""
+    parser = _Parser(prog="mixprec", description="Mixed-precision training for PyTorch.")
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print mixprec's version and exit",
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="{train,compare,diagnose}"
+    )
+    train = sub.add_parser(
+        "train",
+        help="train a model and write metrics, plots and checkpoints",
+        description="Train a model in mixed precision.",
+    )
+    _add_training_options(train)
+    train.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default: runs/train); a folder that already holds a run is "
+        "refused unless --overwrite",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run in --out: its files are deleted before the new run writes",
+    )
+    train.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a previous run's folder: continue it there, with its settings, from its "
+        "newest readable checkpoint (--epochs N extends it to N epochs in total)",
+    )
+    compare = sub.add_parser(
+        "compare",
+        help="train at several levels and print one table",
+        description="Train the same model at several amp levels.",
+    )
+    compare.add_argument(
+        "--levels",
+        default="O0,O1,O2,O3,rewrite",
+        help="comma-separated amp levels, each optionally with +compile and/or +fp8 "
+        "(e.g. O2,O2+compile,O2+fp8; default: %(default)s)",
+    )
+    _add_training_options(compare, level_default=False)
+    compare.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/compare"),
+        help="output folder (default: %(default)s)",
+    )
+    _add_diagnose_command(sub)
+    return parser

@@ -1,0 +1,345 @@
+"""``mixprec train``: train one configuration and write its metrics, plots and checkpoints.
+
+:func:`build_run` turns parsed arguments into seeded loaders, a :class:`~mixprec.Model`
+and its learning-rate schedule (``mixprec compare`` builds each level the same way).
+:func:`run_train` trains, then writes into ``--out``: ``config.json``, ``metrics.json``,
+``metrics.csv``, ``loss.png``, ``accuracy.png``, ``loss_scale.png`` and per-epoch
+checkpoints, from which ``--resume`` continues exactly (the folder rules are in
+:mod:`mixprec.cli._run_folder`). Every input error surfaces before anything is written.
+
+A run that diverges (the loss scale collapses, the loss stays NaN, a weight becomes
+non-finite) still writes its metrics and plots up to that point, keeps the checkpoints
+of the epochs it finished, and then raises; the command exits with code 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mixprec.amp._levels import choose_auto, cpu_has_fast
+from mixprec.cli._args import UsageError, fill_defaults
+from mixprec.cli._run_folder import (
+    KEEP_LAST,
+    RUN_FORMAT,
+    check_new_out,
+    pick_checkpoint,
+    prepare_out,
+    resume_settings,
+)
+from mixprec.loss_scale import LossScale, ScaleCollapseError, loss_scale_from_spec
+from mixprec.train._distributed import (
+    DistributedModel,
+    for_this_rank,
+    is_distributed,
+    is_main_process,
+    process_group_from_env,
+    run_on_main,
+    shard_loader,
+)
+from mixprec.train._divergence import DivergenceError
+from mixprec.train._loop import Model, resolve_device
+from mixprec.train._plots import plot_accuracy, plot_loss, plot_loss_scale
+from mixprec.train.callbacks import (
+    Callback,
+    CSVLogger,
+    Float8Monitor,
+    History,
+    LRScheduler,
+    ModelCheckpoint,
+    PrecisionMonitor,
+    ProgressBar,
+)
+from mixprec.train.data import infer_num_classes, load_csv, load_npz, train_test_loaders
+from mixprec.train.models import build_model
+
+if TYPE_CHECKING:
+    from mixprec.float8 import Float8Report
+
+__all__ = ["run_train", "build_run", "check_out_dir", "load_data", "DIVERGED"]
+
+#: What ``Model.train`` raises when a run diverges; the command exits with code 3.
+DIVERGED = (ScaleCollapseError, DivergenceError)
+
+
+# -- inputs ------------------------------------------------------------------------------
+
+
+def check_out_dir(out: Path) -> None:
+    """Refuse an ``--out`` that exists and is not a folder."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder; choose another path")
+
+
+def load_data(args: argparse.Namespace):
+    """Train and test loaders, the number of classes and one sample's shape."""
+    if args.data is None:
+        train, test = train_test_loaders(batch_size=args.batch_size, seed=args.seed)
+    else:
+        suffix = args.data.suffix.lower()
+        if suffix not in (".npz", ".csv"):
+            raise UsageError(
+                f"--data {args.data}: expected a .npz or .csv file, got {suffix or 'no suffix'!r}"
+            )
+        x, y = (load_npz if suffix == ".npz" else load_csv)(args.data)
+        train, test = train_test_loaders(x, y, batch_size=args.batch_size, seed=args.seed)
+    x_all = train.dataset.tensors[0]
+    classes = infer_num_classes(torch.cat([train.dataset.tensors[1], test.dataset.tensors[1]]))
+    return train, test, classes, tuple(x_all.shape[1:])
+
+
+def _loss_scale(text: str) -> LossScale:
+    # --loss-scale is checked by the parser: 'dynamic', 'none' or a positive number.
+    return loss_scale_from_spec(text if text in ("dynamic", "none") else float(text))
+
+
+def _to_float8(network: torch.nn.Module, args: argparse.Namespace) -> Float8Report:
+    """``--fp8``: the network's eligible linear layers in float8 (before the amp level)."""
+    # Imported here: mixprec.float8 loads for --fp8 runs only.
+    from mixprec.float8 import convert_to_float8
+
+    report = convert_to_float8(network, args.fp8)
+    if not report.converted:
+        reasons = "; ".join(f"{name}: {why}" for name, why in report.skipped.items())
+        raise UsageError(
+            f"--fp8: no linear layer of --model {args.model} can run in float8 ({reasons})"
+        )
+    return report
+
+
+def build_run(args: argparse.Namespace, level: str):
+    """Seeded data, model, Model wrapper and LR schedule for one configuration.
+
+    Returns ``(model, train_loader, test_loader, schedule)``.
+    """
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    train, test, classes, shape = load_data(args)
+    train = shard_loader(train, args.seed)  # under torchrun: this rank's share
+    torch.manual_seed(args.seed)
+    network = build_model(args.model, classes, shape)
+    if getattr(args, "fp8", None):
+        args.float8_report = _to_float8(network, args)
+    optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr)
+    steps = args.epochs * len(train)
+    schedule = LRScheduler(
+        torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=steps)
+    )
+    concrete = choose_auto(device)[0] if level == "auto" else level
+    model = (DistributedModel if is_distributed() else Model)(
+        network,
+        torch.nn.CrossEntropyLoss(),
+        optimizer,
+        metrics=["accuracy", "loss"],
+        amp_level=level,
+        loss_scale=None if concrete == "O0" else _loss_scale(args.loss_scale),
+        dtype=args.dtype,
+        device=device,
+        compile=bool(getattr(args, "compile", False)),
+    )
+    return model, train, test, schedule
+
+
+# -- mixprec train -----------------------------------------------------------------------
+
+
+def _relayout(schedule: LRScheduler, optimizer: Any, lr: float, total_steps: int) -> None:
+    """Lay the one-cycle schedule out over ``total_steps`` and go on from the step the
+    loaded state reached (a run extended with ``--resume --epochs N``)."""
+    saved = schedule.scheduler.state_dict()
+    if saved["total_steps"] == total_steps:
+        return
+    fresh = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=total_steps)
+    layout = fresh.state_dict()
+    fresh.load_state_dict(
+        {**saved, "total_steps": total_steps, "_schedule_phases": layout["_schedule_phases"]}
+    )
+    fresh.last_epoch -= 1
+    fresh.step()  # the learning rate and momentum of this step on the new layout
+    schedule.scheduler = fresh
+
+
+class _RunStart(Callback):
+    """Writes ``config.json`` once training begins: after a resumed checkpoint loaded."""
+
+    def __init__(self, out: Path, config: dict[str, Any], relayout: Any) -> None:
+        self.out, self.config, self.relayout = out, config, relayout
+
+    def on_train_begin(self, state: Any) -> None:
+        self.relayout()
+        if is_main_process():  # under torchrun, rank 0 alone writes
+            (self.out / "checkpoints").mkdir(parents=True, exist_ok=True)
+            (self.out / "config.json").write_text(json.dumps(self.config, indent=2))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # as --dtype spells it
+
+
+def _hardware_notes(model: Model) -> list[str]:
+    notes = []
+    if model.auto_reason is not None:
+        low = "float32" if model.amp_level == "O0" else _name(model.dtype)
+        notes.append(f"auto: level {model.amp_level}, {low}: {model.auto_reason}")
+    if model.device.type == "cpu" and model.amp_level != "O0" and not cpu_has_fast(model.dtype):
+        name = _name(model.dtype)
+        notes.append(
+            f"note: this CPU has no {name} units, so {name} is emulated here and runs far "
+            "slower than float32 (--level auto picks float32 on such a CPU)"
+        )
+    return notes
+
+
+def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
+    return {
+        "format": RUN_FORMAT,
+        "level": getattr(args, "requested_level", args.level),
+        "amp_level": model.amp_level,
+        "dtype": _name(model.dtype),
+        "loss_scale": args.loss_scale,
+        "model": args.model,
+        "data": None if args.data is None else str(args.data),
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": args.seed,
+        "device": args.device,
+        "threads": args.threads,
+        "compile": bool(getattr(args, "compile", False)),
+        "fp8": getattr(args, "fp8", None),
+    }
+
+
+def _write_results(
+    out: Path, config, model, history, seconds, final, diverged=None, precision=None, float8=None
+) -> dict:
+    opt = model.optimizer
+    summary = {
+        "test_accuracy": None if final is None else final["accuracy"],
+        "test_loss": None if final is None else final["loss"],
+        "epochs": history.epochs[-1] if history.epochs else 0,
+        "steps": len(history.losses),
+        "skipped_steps": int(opt.skipped_steps),
+        "final_loss_scale": float(opt.loss_scale),
+        "train_seconds": seconds,
+        "diverged": diverged,
+        "history": {
+            "loss": history.losses,
+            "loss_scale": history.loss_scales,
+            "skipped": history.skipped,
+            "epochs": history.metrics,
+        },
+    }
+    if precision is not None:  # gradient underflow/overflow samples (mixprec.diagnostics)
+        summary["precision"] = precision.summary()
+    if float8 is not None:  # per-layer float8 amax, saturation and overflows, per epoch
+        summary["float8"] = float8.summary()
+    if not is_main_process():  # under torchrun, rank 0 alone writes
+        return summary
+    (out / "metrics.json").write_text(json.dumps({"config": config, **summary}, indent=2))
+    plot_loss(history.losses, out / "loss.png", epoch_losses=history.metrics.get("loss", []))
+    plot_accuracy(
+        {
+            "train": history.metrics.get("accuracy", []),
+            "test": history.metrics.get("val_accuracy", []),
+        },
+        out / "accuracy.png",
+    )
+    underflow = None if precision is None else precision.underflow_series()
+    plot_loss_scale(
+        history.loss_scales, history.skipped, out / "loss_scale.png", underflow=underflow
+    )
+    return summary
+
+
+@process_group_from_env  # data parallel under torchrun (mixprec.train._distributed)
+def run_train(args: argparse.Namespace) -> dict[str, Any]:
+    """Train one configuration; write metrics, plots and checkpoints; return the summary.
+
+    Raises :class:`UsageError` (and writes nothing) for bad input, and one of
+    :data:`DIVERGED` after writing what it has when the run diverges.
+    """
+    given = fill_defaults(args)
+    checkpoint = None
+    if args.resume is not None:
+        args = resume_settings(args, given)
+        checkpoint, done, warning = pick_checkpoint(args.resume, resolve_device(args.device))
+        if args.epochs < done:
+            raise UsageError(
+                f"--epochs {args.epochs}: the run in {args.resume} has already done {done} "
+                f"epochs; pass --epochs {done} or more"
+            )
+    else:
+        args.out = Path("runs/train") if args.out is None else args.out
+        check_new_out(args.out, args.overwrite)
+        if args.level == "auto" and "dtype" in given:
+            raise UsageError(
+                f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by the "
+                "hardware; leave --dtype out, or name a level"
+            )
+        args.data = None if args.data is None else args.data.resolve()  # resumable anywhere
+    # Every input error surfaces here, before anything is written.
+    model, train, test, schedule = build_run(args, args.level)
+    out = args.out
+    if checkpoint is None:
+        run_on_main(prepare_out, out, args.overwrite)
+    else:
+        print(f"mixprec train: resuming {out} from {checkpoint.name} (epoch {done})")
+        if warning is not None:
+            print(f"mixprec: warning: {warning}", file=sys.stderr)
+    config = _config(args, model)
+    lowp = "float32" if model.amp_level == "O0" else _name(model.dtype)
+    print(
+        f"mixprec train: {args.model} on {'digits' if args.data is None else args.data}, "
+        f"level {model.amp_level}, {lowp}, loss scale {args.loss_scale}, {model.device}"
+    )
+    for note in _hardware_notes(model):
+        print(note)
+    float8 = None
+    if args.fp8:
+        report = args.float8_report
+        print(f"float8 ({report.recipe}): {', '.join(report.converted)} of the linear layers "
+              f"({len(report.converted)} of {len(report.decisions)}); the others: "
+              + "; ".join(f"{n} ({why})" for n, why in report.skipped.items()))  # fmt: skip
+        float8 = Float8Monitor()
+    history = History()
+    # Gradient underflow beside the loss scale (sampled every 100 steps, no syncs between).
+    low = model.amp_level != "O0" and model.dtype in (torch.float16, torch.bfloat16)
+    precision = PrecisionMonitor(dtype=model.dtype, verbose=not args.quiet) if low else None
+    total_steps = args.epochs * len(train)
+    callbacks = [
+        _RunStart(out, config, lambda: _relayout(schedule, model.optimizer, args.lr, total_steps)),
+        *([precision] if precision is not None else []),
+        *([float8] if float8 is not None else []),
+        history,
+        schedule,
+        ProgressBar(disable=args.quiet),
+        CSVLogger(out / "metrics.csv", append=checkpoint is not None),
+        ModelCheckpoint(out / "checkpoints", keep_last=KEEP_LAST),
+    ]
+    callbacks = for_this_rank(callbacks, args.seed)  # under torchrun: rank 0 alone writes
+    t0 = time.perf_counter()
+    try:
+        model.train(args.epochs, train, callbacks=callbacks, resume=checkpoint, eval_dataset=test)
+    except DIVERGED as err:
+        seconds = time.perf_counter() - t0
+        _write_results(out, config, model, history, seconds, None, str(err), precision, float8)
+        print(f"wrote metrics.json, loss.png, accuracy.png, loss_scale.png to {out} (diverged)")
+        raise
+    seconds = time.perf_counter() - t0
+    final = model.eval(test)
+    summary = _write_results(out, config, model, history, seconds, final, None, precision, float8)
+    print(
+        f"test accuracy: {final['accuracy']:.4f}  test loss: {final['loss']:.4f}  "
+        f"skipped steps: {summary['skipped_steps']}/{summary['steps']}  "
+        f"loss scale: {summary['final_loss_scale']:g}  ({seconds:.1f} s)"
+    )
+    print(f"wrote metrics.json, metrics.csv, loss.png, accuracy.png, loss_scale.png to {out}")
+    return summary

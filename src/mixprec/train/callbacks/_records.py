@@ -1,0 +1,150 @@
+"""Callbacks that record a run: :class:`History` in memory, :class:`CSVLogger` on disk."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+from mixprec._checks import check_instance
+from mixprec.train.callbacks._base import Callback, RunState
+
+__all__ = ["History", "CSVLogger"]
+
+
+class History(Callback):
+    """Keep per-step loss, scale and skip flags and per-epoch metrics for plots.
+
+    ``metrics[name]`` lines up with ``epochs``; an epoch that did not report a name
+    has ``nan`` there. Nothing is cleared at ``on_train_begin``, so a continued run
+    extends the same history; call :meth:`reset` to start over.
+
+    >>> h = History()
+    >>> h.on_epoch_end(RunState(epoch=1, metrics={"loss": 0.5}))
+    >>> h.on_epoch_end(RunState(epoch=2, metrics={"loss": 0.25, "val_accuracy": 0.9}))
+    >>> h.epochs, h.metrics["val_accuracy"][1], math.isnan(h.metrics["val_accuracy"][0])
+    ([1, 2], 0.9, True)
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Clear everything recorded."""
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+        self.loss_scales: list[float] = []
+        self.skipped: list[bool] = []
+        self.epochs: list[int] = []
+        self.metrics: dict[str, list[float]] = {}
+
+    def on_step_end(self, state: RunState) -> None:
+        """Append this step's global index, loss, scale and skip flag."""
+        self.steps.append(state.step)
+        self.losses.append(float(state.loss))
+        self.loss_scales.append(float(state.loss_scale))
+        self.skipped.append(bool(state.skipped))
+
+    def on_epoch_end(self, state: RunState) -> None:
+        """Append this epoch's metrics, padding names it did not report with nan."""
+        for name in state.metrics:
+            if name not in self.metrics:
+                self.metrics[name] = [math.nan] * len(self.epochs)
+        self.epochs.append(state.epoch)
+        for name, values in self.metrics.items():
+            values.append(float(state.metrics.get(name, math.nan)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return every recorded list (plain Python values)."""
+        return {
+            "steps": list(self.steps),
+            "losses": list(self.losses),
+            "loss_scales": list(self.loss_scales),
+            "skipped": list(self.skipped),
+            "epochs": list(self.epochs),
+            "metrics": {k: list(v) for k, v in self.metrics.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Replace the recorded history with a saved one."""
+        self.reset()
+        self.steps = list(state_dict["steps"])
+        self.losses = list(state_dict["losses"])
+        self.loss_scales = list(state_dict["loss_scales"])
+        self.skipped = list(state_dict["skipped"])
+        self.epochs = list(state_dict["epochs"])
+        self.metrics = {k: list(v) for k, v in state_dict["metrics"].items()}
+
+
+class CSVLogger(Callback):
+    """Write one CSV row per epoch: counters, loss scale, throughput and metrics.
+
+    Columns: ``epoch, step, loss_scale, skipped_steps, samples_per_s`` and then each
+    metric name in first-seen order. A metric that appears in a later epoch (e.g.
+    validation every few epochs) adds a column and the file is rewritten with it;
+    missing values are left empty. The file is closed after every row, so it is
+    complete whenever a run stops. With ``append=True`` an existing file is kept,
+    minus rows for epochs after the one a resumed run starts from.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "log.csv")
+    >>> log = CSVLogger(path)
+    >>> s = RunState()
+    >>> log.on_train_begin(s)
+    >>> s.epoch, s.step, s.metrics = 1, 10, {"loss": 0.5}
+    >>> log.on_epoch_end(s)
+    >>> print(open(path).read().strip())
+    epoch,step,loss_scale,skipped_steps,samples_per_s,loss
+    1,10,1.0,0,0.0,0.5
+    """
+
+    BASE_COLUMNS = ("epoch", "step", "loss_scale", "skipped_steps", "samples_per_s")
+
+    def __init__(self, path: str | Path, append: bool = False) -> None:
+        check_instance("path", path, (str, Path), "a str or Path")
+        self.path = Path(path)
+        self.append = append
+        self._fields: list[str] = list(self.BASE_COLUMNS)
+        self._rows: list[dict[str, Any]] = []
+
+    def on_train_begin(self, state: RunState) -> None:
+        """Load the rows to keep (``append``) and write the file afresh."""
+        self._fields = list(self.BASE_COLUMNS)
+        self._rows = []
+        if self.append and self.path.is_file():
+            with self.path.open(newline="") as f:
+                reader = csv.DictReader(f)
+                for name in reader.fieldnames or ():
+                    if name not in self._fields:
+                        self._fields.append(name)
+                # Rows past the resume point belong to the abandoned part of the old run.
+                self._rows = [r for r in reader if int(r["epoch"]) <= state.epoch]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        with self.path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._fields, restval="")
+            writer.writeheader()
+            writer.writerows(self._rows)
+
+    def on_epoch_end(self, state: RunState) -> None:
+        """Add this epoch's row."""
+        row: dict[str, Any] = {
+            "epoch": state.epoch,
+            "step": state.step,
+            "loss_scale": repr(float(state.loss_scale)),
+            "skipped_steps": state.skipped_steps,
+            "samples_per_s": repr(float(state.samples_per_s)),
+        }
+        for name, value in state.metrics.items():
+            row[name] = repr(float(value))
+        self._rows.append(row)
+        new = [name for name in row if name not in self._fields]
+        if new or not self.path.is_file():
+            self._fields.extend(new)
+            self._rewrite()
+            return
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self._fields, restval="").writerow(row)
