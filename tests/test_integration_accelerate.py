@@ -21,7 +21,7 @@ pytest.importorskip("accelerate", reason="needs the [hf] extra: pip install 'mix
 from accelerate import Accelerator  # noqa: E402
 
 from mixprec import DynamicLossScale, GradScaler, LossScaleOptimizer, amp, loss_scale_from_spec  # noqa: E402
-from mixprec.integrations.accelerate import LossScaleOptimizerScaler, initialize  # noqa: E402
+from mixprec.integrations.accelerate import LossScaleOptimizerScaler, prepare_amp  # noqa: E402
 
 BATCH, CLIP, LR, EPOCHS, STEPS = 4, 0.05, 0.1, 2, 12
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,7 +70,7 @@ def prepared():
     net = make_net()
     sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
     sched = schedule(sgd)
-    net, opt = initialize(
+    net, opt = prepare_amp(
         accelerator, net, sgd, level="O2", dtype=torch.bfloat16, loss_scale=make_loss_scale()
     )
     return accelerator, *accelerator.prepare(net, opt, make_loader(), sched)
@@ -127,22 +127,22 @@ def test_gradients_from_an_unscaled_backward_are_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
 
 
-def test_initialize_checks_the_accelerator_and_its_order():
+def test_prepare_amp_checks_the_accelerator_and_its_order():
     net = make_net()
     with pytest.raises(TypeError, match="accelerator must be an accelerate.Accelerator"):
-        initialize(object(), net, torch.optim.SGD(net.parameters(), lr=0.1))
+        prepare_amp(object(), net, torch.optim.SGD(net.parameters(), lr=0.1))
     accelerator, net, opt, _, _ = prepared()
     with pytest.raises(ValueError, match="comes before accelerator.prepare"):
-        initialize(accelerator, make_net(), opt)
+        prepare_amp(accelerator, make_net(), opt)
     plain = Accelerator(cpu=True)
     plain_opt = plain.prepare(torch.optim.SGD(make_net().parameters(), lr=0.1))
     late = make_net()
-    with pytest.raises(ValueError, match="prepared an optimizer that initialize"):
-        initialize(plain, late, torch.optim.SGD(late.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="prepared an optimizer that prepare_amp"):
+        prepare_amp(plain, late, torch.optim.SGD(late.parameters(), lr=0.1))
     assert plain.scaler is None and plain_opt.scaler is None
     other = make_net()
     with pytest.raises(ValueError, match="share the loss scale"):
-        initialize(accelerator, other, torch.optim.SGD(other.parameters(), lr=0.1), loss_scale=8.0)
+        prepare_amp(accelerator, other, torch.optim.SGD(other.parameters(), lr=0.1), loss_scale=8.0)
     assert amp.get_policy(other) is None  # refused before the model changed
 
 

@@ -2,7 +2,7 @@
 
 * :mod:`mixprec.integrations.lightning` - :class:`~mixprec.integrations.lightning.MixprecPrecision`,
   a Lightning ``Precision`` plugin (``pip install "mixprec[lightning]"``).
-* :mod:`mixprec.integrations.accelerate` - :func:`~mixprec.integrations.accelerate.initialize`
+* :mod:`mixprec.integrations.accelerate` - :func:`~mixprec.integrations.accelerate.prepare_amp`
   makes an ``accelerate.Accelerator`` scale, unscale and skip through mixprec
   (``pip install "mixprec[hf]"``).
 * :mod:`mixprec.integrations.transformers` - :class:`~mixprec.integrations.transformers.MixprecTrainer`,

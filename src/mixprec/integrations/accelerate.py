@@ -1,9 +1,9 @@
-"""Accelerate at a mixprec amp level: ``initialize(accelerator, model, optimizer, level, dtype)``.
+"""Accelerate at a mixprec amp level: ``prepare_amp(accelerator, model, optimizer, level, dtype)``.
 
 ::
 
     accelerator = Accelerator()                      # mixed_precision="no": mixprec owns it
-    model, optimizer = initialize(accelerator, model, optimizer, level="O2", dtype=torch.bfloat16)
+    model, optimizer = prepare_amp(accelerator, model, optimizer, level="O2", dtype=torch.bfloat16)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     for x, y in loader:
         accelerator.backward(loss_fn(model(x), y))   # loss * scale
@@ -11,12 +11,12 @@
         optimizer.step()                             # skipped if a gradient is inf/NaN
         optimizer.zero_grad()
 
-:func:`initialize` applies the level with :func:`mixprec.amp.initialize` (the optimizer
+:func:`prepare_amp` applies the level with :func:`mixprec.amp.initialize` (the optimizer
 becomes a :class:`~mixprec.LossScaleOptimizer`, with float32 master weights at O2) and
 installs a :class:`LossScaleOptimizerScaler` as ``accelerator.scaler``: Accelerate
 already sends its backward, its step and its checkpoints through ``accelerator.scaler``
 with ``torch.amp.GradScaler``'s interface. Accelerate unscales before clipping only
-under its own float16 autocast, so :func:`initialize` also points the accelerator's
+under its own float16 autocast, so :func:`prepare_amp` also points the accelerator's
 ``unscale_gradients`` (which ``clip_grad_norm_``/``clip_grad_value_`` call) at the
 scaler. ``accelerator.optimizer_step_was_skipped`` is true after a skipped step (the
 LR scheduler prepared by Accelerate does not advance then), ``accelerator.save_state``
@@ -43,7 +43,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
-__all__ = ["initialize", "LossScaleOptimizerScaler"]
+__all__ = ["prepare_amp", "LossScaleOptimizerScaler"]
 
 # Accelerate's other back ends bring their own loss scaling or sharded optimizers.
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
@@ -98,7 +98,7 @@ class LossScaleOptimizerScaler:
                 return opt
         raise TypeError(
             f"{type(optimizer).__name__} was not set up by mixprec.integrations.accelerate."
-            "initialize; pass every optimizer through initialize before accelerator.prepare"
+            "prepare_amp; pass every optimizer through prepare_amp before accelerator.prepare"
         )
 
     def stepped(self, parameters: Any) -> list[torch.Tensor]:
@@ -117,7 +117,7 @@ class LossScaleOptimizerScaler:
         """``outputs * scale``; call ``.backward()`` on the result. No host sync."""
         check_instance("outputs", outputs, torch.Tensor, "a torch.Tensor (the loss)")
         if not self.optimizers:
-            raise RuntimeError("no optimizer was set up: pass one to initialize()")
+            raise RuntimeError("no optimizer was set up: pass one to prepare_amp()")
         for opt in self.optimizers:  # each records the scale it will unscale by
             scaled = opt.scale_loss(outputs)
         return scaled
@@ -187,7 +187,7 @@ class LossScaleOptimizerScaler:
         restore_loss_scale(self.loss_scale, state_dict["mixprec"])
 
 
-def initialize(
+def prepare_amp(
     accelerator: Accelerator,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -218,13 +218,13 @@ def initialize(
         )
     if isinstance(optimizer, AcceleratedOptimizer) or any(model is m for m in accelerator._models):
         raise ValueError(
-            "initialize() comes before accelerator.prepare(): pass the plain model and optimizer"
+            "prepare_amp() comes before accelerator.prepare(): pass the plain model and optimizer"
         )
     if any(not isinstance(o.optimizer, LossScaleOptimizer) for o in accelerator._optimizers):
         # It would step on the scaled gradients of every later accelerator.backward.
         raise ValueError(
-            "accelerator already prepared an optimizer that initialize() did not set up; "
-            "call initialize() for every training model and optimizer before any prepare()"
+            "accelerator already prepared an optimizer that prepare_amp() did not set up; "
+            "call prepare_amp() for every training model and optimizer before any prepare()"
         )
     level, dtype = check_level(level, dtype, accelerator.device)
     scaler = accelerator.scaler
@@ -236,7 +236,7 @@ def initialize(
         if loss_scale is not None and loss_scale is not scaler.loss_scale:
             raise ValueError(
                 "this accelerator's optimizers share the loss scale set by the first "
-                f"initialize() ({scaler.loss_scale!r}); leave loss_scale=None"
+                f"prepare_amp() ({scaler.loss_scale!r}); leave loss_scale=None"
             )
         loss_scale = scaler.loss_scale
     model, optimizer = amp.initialize(model, optimizer, level, dtype, loss_scale=loss_scale)

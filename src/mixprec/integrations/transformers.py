@@ -9,7 +9,7 @@
 Leave ``fp16``/``bf16`` in ``TrainingArguments`` False: the level sets the precision.
 When training starts, :meth:`MixprecTrainer.create_optimizer` builds the Trainer's
 optimizer as usual (or takes the one passed in ``optimizers=``) and hands model and
-optimizer to :func:`mixprec.integrations.accelerate.initialize`, which applies the level
+optimizer to :func:`mixprec.integrations.accelerate.prepare_amp`, which applies the level
 (float32 master weights at O2), wraps the optimizer in a
 :class:`~mixprec.LossScaleOptimizer` and makes the Trainer's ``Accelerator`` scale,
 unscale and skip through it. From there the Trainer's own loop does the rest:
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mixprec.integrations._common import check_level, level_loss_scale, require
-from mixprec.integrations.accelerate import LossScaleOptimizerScaler, initialize
+from mixprec.integrations.accelerate import LossScaleOptimizerScaler, prepare_amp
 from mixprec.optim import LossScaleOptimizer
 
 require("transformers", "hf", __name__)
@@ -90,7 +90,7 @@ class MixprecTrainer(Trainer):
                 f"MixprecTrainer wraps it for level {self.mixprec_level!r} with its loss scale"
             )
         optimizer = super().create_optimizer(model)
-        _, self.optimizer = initialize(
+        _, self.optimizer = prepare_amp(
             self.accelerator, self.model if model is None else model, optimizer,
             level=self.mixprec_level, dtype=self.mixprec_dtype, loss_scale=self.mixprec_loss_scale,
         )  # fmt: skip
