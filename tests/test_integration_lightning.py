@@ -271,3 +271,46 @@ def test_a_missing_lightning_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "mixprec.integrations.lightning")
     with pytest.raises(ImportError, match=r'pip install "mixprec\[lightning\]"'):
         importlib.import_module("mixprec.integrations.lightning")
+
+
+class SkipsOddBatches(Toy):
+    def training_step(self, batch, batch_idx):
+        if batch_idx % 2:
+            return None  # Lightning skips the backward: nothing to unscale or step
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.filterwarnings("ignore:`training_step` returned `None`")
+def test_a_training_step_that_returns_none_with_clipping_skips_the_step(tmp_path):
+    module = SkipsOddBatches()
+    trainer, plugin, _ = fit(module, tmp_path, gradient_clip_val=CLIP)
+    opt = plugin._optimizers[0]
+    batches = len(make_loader()) * EPOCHS
+    # Only the even batches stepped (one of them per epoch overflows and is skipped).
+    assert int(opt.iterations) + int(opt.skipped_steps) == (batches + 1) // 2
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_a_module_trained_by_one_trainer_is_tested_by_another(tmp_path):
+    module = Toy()
+    fit(module, tmp_path)
+    trained = [p.detach().clone() for p in module.parameters()]
+    tester = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False,
+                       plugins=[MixprecPrecision(level="O2", dtype=torch.bfloat16)])  # fmt: skip
+
+    class Evaluated(type(module)):
+        def test_step(self, batch, batch_idx):
+            return F.mse_loss(self(batch[0]), batch[1])
+
+    module.__class__ = Evaluated
+    tester.test(module, make_loader(), verbose=False)
+    assert all(torch.equal(a, b) for a, b in zip(trained, module.parameters()))
+    other = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      plugins=[MixprecPrecision(level="O3", dtype=torch.bfloat16)])  # fmt: skip
+    with pytest.raises(ValueError, match="prepared by a MixprecPrecision at level O2"):
+        other.test(module, make_loader(), verbose=False)
+
+
+def test_the_plugin_names_its_device():
+    assert MixprecPrecision(level="O2", dtype=torch.bfloat16, device="cpu").device == "cpu"

@@ -54,6 +54,9 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 __all__ = ["MixprecPrecision"]
 
+#: The attribute that records, on a converted module, the plugin settings it got.
+_CONVERTED = "_mixprec_lightning_precision"
+
 
 def _lightning_name(level: str, dtype: torch.dtype) -> str:
     """Lightning's name for the precision a level gives (``trainer.precision``)."""
@@ -109,6 +112,7 @@ class MixprecPrecision(Precision):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if not isinstance(device, (str, torch.device)):
             raise TypeError(f"device must be a str or torch.device, got {device!r}")
+        self.device = str(device)  # as Lightning's MixedPrecision has it
         self.level, self.dtype = check_level(level, dtype, device)
         self.loss_scale = level_loss_scale(loss_scale, self.level, self.dtype)
         self.log_metrics = log_metrics
@@ -116,6 +120,7 @@ class MixprecPrecision(Precision):
         self._converted: weakref.WeakSet = weakref.WeakSet()
         self._optimizers: list[LossScaleOptimizer] = []
         self._unscaled: set[int] = set()  # optimizers unscaled since their last step
+        self._skipped_backward = False  # training_step returned None: nothing to unscale
 
     def __repr__(self) -> str:
         return (
@@ -126,10 +131,23 @@ class MixprecPrecision(Precision):
     # -- the module and the optimizers --------------------------------------------------
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Apply the level to ``module`` in place (once; later runs of the Trainer reuse it)."""
-        if module not in self._converted:
+        """Apply the level to ``module`` in place, once: a later ``fit``/``test`` of this or
+        another Trainer with the same level, dtype and fp8 reuses it (train, then test)."""
+        if module in self._converted:
+            return module
+        done = getattr(module, _CONVERTED, None)
+        mine = (self.level, str(self.dtype), self.fp8)
+        if done is None:
             amp.initialize(module, None, self.level, self.dtype, fp8=self.fp8 or False)
-            self._converted.add(module)
+            setattr(module, _CONVERTED, mine)
+        elif done != mine:
+            raise ValueError(
+                f"this LightningModule was prepared by a MixprecPrecision at level {done[0]} in "
+                f"{done[1]} with fp8={done[2]!r}; this plugin is level {self.level} in "
+                f"{self.dtype} with fp8={self.fp8!r}. Use the same plugin settings, or a fresh "
+                "module"
+            )
+        self._converted.add(module)
         return module
 
     def connect(
@@ -198,7 +216,7 @@ class MixprecPrecision(Precision):
     ) -> None:
         """Unscale (once), then clip the true gradients (the float32 masters' at O2)."""
         opt = self._own(optimizer)
-        if opt is not None and clip_val > 0:
+        if opt is not None and clip_val > 0 and not self._skipped_backward:
             self._unscale_once(opt)
         super().clip_gradients(opt or optimizer, clip_val, gradient_clip_algorithm)
 
@@ -217,7 +235,11 @@ class MixprecPrecision(Precision):
         no_backward = closure_result is None and model.automatic_optimization
         if not no_backward:
             self._unscale_once(opt)  # before the hooks and clipping, which want true gradients
-        self._after_closure(model, optimizer)
+        self._skipped_backward = no_backward  # clipping then has no gradients to unscale
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._skipped_backward = False
         if no_backward:
             return closure_result
         try:
