@@ -47,13 +47,16 @@ import dataclasses
 import math
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 import torch
 import torch.distributed as dist
 
 from mixprec._checks import check_number
 from mixprec.numerics import unscale_and_check_
+
+if TYPE_CHECKING:
+    from mixprec.typing import LossScaleSpec, ModelLevel
 
 __all__ = [
     "LossScale",
@@ -82,13 +85,34 @@ class ScaleCollapseError(RuntimeError):
     """
 
 
-def _state_field(dtype: torch.dtype) -> Any:
-    """A dataclass field holding a state tensor (not a constructor argument)."""
-    return dataclasses.field(init=False, repr=False, compare=False, metadata={"state": dtype})
+def _state(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The metadata of a dataclass field holding a state tensor of ``dtype``.
+
+    State fields are ``dataclasses.field(init=False, ...)`` written out where they are
+    declared, so that type checkers see they are not constructor arguments.
+    """
+    return {"state": dtype}
 
 
 def _positive(name: str, value: Any, *, integer: bool = False, allow_none: bool = False) -> None:
     check_number(name, value, integer=integer, minimum=0, exclusive=True, allow_none=allow_none)
+
+
+#: The scales float32 holds as normal numbers: a scale and its reciprocal both finite.
+_FLOAT32 = torch.finfo(torch.float32)
+
+
+def _a_float32_scale(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """A positive scale that float32, where the scale lives, holds with its reciprocal:
+    ``1e39`` would be inf (every step skipped), ``1e-40`` a subnormal whose reciprocal
+    is inf (the unscaled gradients would be inf or NaN)."""
+    _positive(name, value, allow_none=allow_none)
+    if value is not None and not _FLOAT32.tiny <= value <= _FLOAT32.max:
+        raise ValueError(
+            f"{name}={value!r} cannot be held in float32, where loss scales live "
+            f"(it would be {float(torch.tensor(value, dtype=torch.float32))!r}); use a value "
+            f"in [{_FLOAT32.tiny:.3g}, {_FLOAT32.max:.3g}], in practice 1 to 2**24"
+        )
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,7 +131,9 @@ class LossScale:
     first ``scale_loss``/``unscale_`` on another device moves all state there.
     """
 
-    scale: torch.Tensor = _state_field(torch.float32)
+    scale: torch.Tensor = dataclasses.field(
+        init=False, repr=False, compare=False, metadata=_state(torch.float32)
+    )
 
     #: Short name used by :func:`loss_scale_from_spec` and in configs.
     kind: ClassVar[str] = "base"
@@ -195,9 +221,8 @@ class LossScale:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
         self._follow(loss.device)
-        self.mark_scaled()
         scale = self.scale if extra_factor == 1.0 else self.scale * extra_factor
-        return loss * scale
+        return self.mark_on_backward(loss * scale)
 
     # -- who has seen a scaled loss -----------------------------------------------------
 
@@ -206,26 +231,40 @@ class LossScale:
         """Whether gradients must come from a scaled loss (a scale other than a fixed 1)."""
         return True
 
-    def _consumers(self) -> dict[int, bool]:
-        return self.__dict__.setdefault("_scaled_since_step", {})
-
     def mark_scaled(self) -> None:
-        """Record that a loss was scaled: every consumer's next step may unscale it."""
-        consumers = self._consumers()
-        for key in consumers:
-            consumers[key] = True
+        """Record that gradients of a scaled loss arrived: every consumer's next step may
+        unscale them. A host-side count, no sync; it travels with the object (copies and
+        pickles of a loss scale and its optimizers keep working)."""
+        self.__dict__["_scaled_count"] = self.__dict__.get("_scaled_count", 0) + 1
 
-    def take_scaled(self, consumer: object) -> bool:
-        """Whether a loss was scaled since ``consumer``'s last call (host-side, no sync).
+    def mark_on_backward(self, scaled: torch.Tensor) -> torch.Tensor:
+        """``scaled`` (a loss times this scale), marked so that its *backward* records the
+        scaled gradients (:meth:`mark_scaled`): the check follows the gradients, not the
+        call, so ``scale_loss(loss)`` with the result dropped and ``loss.backward()``
+        instead is still refused at the step. Under ``torch.compile`` (where a hook on the
+        loss would break the graph) and for a loss without gradient, the call marks."""
+        if scaled.requires_grad and not torch.compiler.is_compiling():
+            scaled.register_hook(self._on_scaled_backward)
+        else:
+            self.mark_scaled()
+        return scaled
+
+    def _on_scaled_backward(self, grad: torch.Tensor) -> None:
+        self.mark_scaled()
+
+    def take_scaled(self, consumer: Any) -> bool:
+        """Whether scaled gradients arrived since ``consumer``'s last call (host-side, no sync).
 
         Optimizers call this once per step to catch gradients that never went through
         a scaled loss (``loss.backward()`` in code that does not know the scale), which
         would otherwise be divided by the scale and train at ~1/scale of the learning rate.
+        The consumer keeps the count it last saw (``_seen_scaled``), so a copy of both
+        stays consistent.
         """
-        consumers = self._consumers()
-        seen = consumers.get(id(consumer), False)
-        consumers[id(consumer)] = False
-        return seen
+        now = self.__dict__.get("_scaled_count", 0)
+        seen = getattr(consumer, "_seen_scaled", None)
+        consumer._seen_scaled = now
+        return seen is not None and seen != now
 
     # -- health ---------------------------------------------------------------------
 
@@ -277,10 +316,10 @@ class LossScale:
         ``None`` entries are skipped. One fused kernel per (device, dtype). No host sync.
         ``scale`` as in :meth:`inv_scale`.
         """
-        grads = [g for g in grads if g is not None]
-        if grads:
-            self._follow(grads[0].device)
-        return unscale_and_check_(grads, self.inv_scale(extra_factor, scale))
+        present = [g for g in grads if g is not None]
+        if present:
+            self._follow(present[0].device)
+        return unscale_and_check_(present, self.inv_scale(extra_factor, scale))
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Advance the state machine by one step (no-op for fixed scales)."""
@@ -311,22 +350,48 @@ class NoOpLossScale(LossScale):
 class StaticLossScale(LossScale):
     """A fixed loss scale.
 
+    A fixed scale cannot back off, so a scale too large for the gradients skips every
+    step: after ``collapse_after`` overflowing steps in a row (``None``: never) it counts
+    as collapsed, and the optimizers raise :class:`ScaleCollapseError`, as for a dynamic
+    scale stuck at its floor.
+
     >>> StaticLossScale(1024.0).scale
     tensor(1024.)
     """
 
     loss_scale: float = 2.0**15
+    collapse_after: int | None = 100
+    floor_streak: torch.Tensor = dataclasses.field(
+        init=False, repr=False, compare=False, metadata=_state(torch.int32)
+    )
     kind: ClassVar[str] = "static"
 
     def _validate(self) -> None:
-        _positive("loss_scale", self.loss_scale)
+        _a_float32_scale("loss_scale", self.loss_scale)
+        _positive("collapse_after", self.collapse_after, integer=True, allow_none=True)
 
     def _initial_state(self) -> dict[str, float]:
-        return {"scale": float(self.loss_scale)}
+        return {"scale": float(self.loss_scale), "floor_streak": 0}
 
     @property
     def needs_scaled_loss(self) -> bool:
         return float(self.loss_scale) != 1.0
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Count overflowing steps in a row (the scale itself never changes). No sync."""
+        found = found_inf.to(self.scale.device, non_blocking=True) > 0
+        self.floor_streak.add_(1).mul_(found)
+
+    def collapsed(self) -> torch.Tensor | None:
+        """True once ``collapse_after`` steps in a row overflowed at this scale."""
+        return None if self.collapse_after is None else self.floor_streak >= self.collapse_after
+
+    def collapse_message(self) -> str:
+        return (
+            f"the fixed loss scale {float(self.scale):g} is too large: {self.collapse_after} "
+            "steps in a row overflowed and were skipped. Use a smaller loss_scale, "
+            "'dynamic', or bfloat16; collapse_after=None turns this check off"
+        )
 
 
 @dataclasses.dataclass(eq=False, repr=False)
@@ -381,13 +446,19 @@ class DynamicLossScale(LossScale):
     hysteresis: int = 1
     collapse_after: int | None = 100
 
-    counter: torch.Tensor = _state_field(torch.int32)
-    inf_streak: torch.Tensor = _state_field(torch.int32)
-    floor_streak: torch.Tensor = _state_field(torch.int32)
+    counter: torch.Tensor = dataclasses.field(
+        init=False, repr=False, compare=False, metadata=_state(torch.int32)
+    )
+    inf_streak: torch.Tensor = dataclasses.field(
+        init=False, repr=False, compare=False, metadata=_state(torch.int32)
+    )
+    floor_streak: torch.Tensor = dataclasses.field(
+        init=False, repr=False, compare=False, metadata=_state(torch.int32)
+    )
     kind: ClassVar[str] = "dynamic"
 
     def _validate(self) -> None:
-        _positive("initial_scale", self.initial_scale)
+        _a_float32_scale("initial_scale", self.initial_scale)
         _positive("growth_interval", self.growth_interval, integer=True)
         _positive("hysteresis", self.hysteresis, integer=True)
         _positive("collapse_after", self.collapse_after, integer=True, allow_none=True)
@@ -395,8 +466,8 @@ class DynamicLossScale(LossScale):
         _positive("backoff_factor", self.backoff_factor)
         if self.backoff_factor >= 1:
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
-        _positive("min_scale", self.min_scale, allow_none=True)
-        _positive("max_scale", self.max_scale, allow_none=True)
+        _a_float32_scale("min_scale", self.min_scale, allow_none=True)
+        _a_float32_scale("max_scale", self.max_scale, allow_none=True)
         low = 0.0 if self.min_scale is None else self.min_scale
         high = math.inf if self.max_scale is None else self.max_scale
         if low > high:
@@ -508,14 +579,14 @@ backoff_factor=0.25, min_scale=1.0, max_scale=None, hysteresis=1, collapse_after
         )
 
 
-def loss_scale_from_spec(spec: Any) -> LossScale:
+def loss_scale_from_spec(spec: LossScaleSpec) -> LossScale:
     """Turn a user's loss-scale choice into a :class:`LossScale`.
 
     Accepts a ``LossScale`` (returned as is), ``"dynamic"``, ``"none"``/``None``,
     or a positive number (a static scale).
 
     >>> loss_scale_from_spec(128)
-    StaticLossScale(loss_scale=128.0)
+    StaticLossScale(loss_scale=128.0, collapse_after=100)
     >>> loss_scale_from_spec("dynamic").kind
     'dynamic'
     """
@@ -535,7 +606,7 @@ def loss_scale_from_spec(spec: Any) -> LossScale:
     )
 
 
-def default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
+def default_loss_scale(level: ModelLevel, dtype: torch.dtype) -> LossScale:
     """The loss scale a level gets in ``dtype`` when none is chosen: the one rule.
 
     O2 is dynamic for both dtypes (the classic O2): with bfloat16 it never backs off
@@ -561,8 +632,9 @@ def default_loss_scale(level: str, dtype: torch.dtype) -> LossScale:
 def loss_scale_state(loss_scale: LossScale) -> dict[str, Any]:
     """A loss scale's kind, configuration and state: plain values, ``weights_only``-loadable.
 
-    >>> loss_scale_state(StaticLossScale(8.0))
-    {'kind': 'static', 'config': {'loss_scale': 8.0}, 'state': {'scale': tensor(8.)}}
+    >>> entry = loss_scale_state(StaticLossScale(8.0))
+    >>> entry["kind"], entry["config"], sorted(entry["state"])
+    ('static', {'loss_scale': 8.0, 'collapse_after': 100}, ['floor_streak', 'scale'])
     """
     return {
         "kind": loss_scale.kind,
@@ -640,6 +712,14 @@ def reduction_group(process_group: Any) -> Any:
     return group if dist.get_world_size(group) > 1 else None
 
 
+@overload
+def agree_on_found_inf(found_inf: torch.Tensor, process_group: Any) -> torch.Tensor: ...
+
+
+@overload
+def agree_on_found_inf(found_inf: None, process_group: Any) -> None: ...
+
+
 def agree_on_found_inf(found_inf: torch.Tensor | None, process_group: Any) -> torch.Tensor | None:
     """All-reduce ``found_inf`` (a 0/1 float tensor, in place) with ``MAX``; return it.
 
@@ -659,6 +739,8 @@ def agree_on_found_inf(found_inf: torch.Tensor | None, process_group: Any) -> to
 
 def creates_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a step would create optimizer state (a parameter with a gradient and none)."""
+    if getattr(optimizer, "_mixprec_keeps_no_state", False):
+        return False
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if len(optimizer.state) >= len(params):
         return False
@@ -674,13 +756,15 @@ def _fused_step(
 ) -> Any:
     """A fused optimizer's step with torch's AMP protocol: it skips (and unscales by
     ``grad_scale``, when given) on the device."""
-    optimizer.found_inf = found_inf
-    optimizer.grad_scale = grad_scale
+    # Attributes of torch's protocol (GradScaler sets them too), not of Optimizer's type.
+    amp_optimizer: Any = optimizer
+    amp_optimizer.found_inf = found_inf
+    amp_optimizer.grad_scale = grad_scale
     try:
         return optimizer.step(*args, **kwargs)
     finally:
-        del optimizer.found_inf
-        del optimizer.grad_scale
+        del amp_optimizer.found_inf
+        del amp_optimizer.grad_scale
 
 
 def step_or_skip(
@@ -711,9 +795,15 @@ def step_or_skip(
     if skip and found_inf.item():  # the one host sync of a non-fused step
         return None, True
     if grad_scale is None:
-        return optimizer.step(*args, **kwargs), False
-    # A fused first step whose gradients are still scaled: the kernel unscales them.
-    return _fused_step(optimizer, torch.zeros_like(found_inf), grad_scale, args, kwargs), False
+        result = optimizer.step(*args, **kwargs)
+    else:  # a fused first step whose gradients are still scaled: the kernel unscales them
+        result = _fused_step(optimizer, torch.zeros_like(found_inf), grad_scale, args, kwargs)
+    if fused and not optimizer.state:
+        # An applied step that created no state (SGD without momentum) never will: from
+        # now on the fused step skips on the device, with no host sync.
+        marked: Any = optimizer  # a flag of ours on the optimizer, not in its type
+        marked._mixprec_keeps_no_state = True
+    return result, False
 
 
 def refuse_unscaled_gradients(loss_scale: LossScale, param_groups: list[dict[str, Any]]) -> None:

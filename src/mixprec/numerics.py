@@ -20,12 +20,16 @@ from __future__ import annotations
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 __all__ = [
     "group_by_device_and_dtype",
+    "coalesce_sparse_half_grads_",
     "unscale_and_check_",
     "any_nonfinite",
     "global_norm",
@@ -41,7 +45,7 @@ def _dtensor_type() -> type | None:
     return None if module is None else module.DTensor
 
 
-def is_dtensor(tensor: Any) -> bool:
+def is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a DTensor (an FSDP2 parameter or gradient)."""
     cls = _dtensor_type()
     return cls is not None and isinstance(tensor, cls)
@@ -63,22 +67,39 @@ def is_flat_shard(param: torch.Tensor) -> bool:
 
 
 def group_by_device_and_dtype(
-    tensors: Iterable[torch.Tensor | None],
+    tensors: Iterable[torch.Tensor | None], *, in_place: bool = False
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """Group tensors by (device, dtype), dropping ``None`` entries.
 
-    Sparse tensors are represented by their (coalesced) values, which is what a
-    finite check or an in-place unscale has to touch.
+    Sparse tensors are represented by their values. For reading (norms, finite
+    checks) those are the coalesced values, duplicates summed as they will be. For
+    writing (``in_place=True``, an unscale) they are the tensor's own values: the
+    coalesced ones are a copy when the tensor is not coalesced, and writing a copy
+    would leave the gradient as it was (:func:`coalesce_sparse_half_grads_` first
+    makes float16 gradients coalesced, so that their checked values are the summed ones).
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for t in tensors:
         if t is None:
             continue
         if t.is_sparse:
-            # Duplicate indices would be summed later; check the summed values.
-            t = t.coalesce()._values()
+            t = t._values() if in_place else t.coalesce()._values()
         groups[(t.device, t.dtype)].append(t)
     return groups
+
+
+def coalesce_sparse_half_grads_(params: Iterable[torch.Tensor]) -> None:
+    """Coalesce the float16 sparse gradients of ``params`` in place (``p.grad``).
+
+    Duplicate indices of a sparse gradient are summed when it is applied; in float16
+    that sum of scaled values can overflow where no single value does, so it is made
+    (and checked) before unscaling, as ``torch.amp.GradScaler`` does. Other dtypes keep
+    their layout: their values are unscaled where they are.
+    """
+    for p in params:
+        g = p.grad
+        if g is not None and g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
+            p.grad = g.coalesce()
 
 
 def unscale_and_check_(
@@ -96,7 +117,7 @@ def unscale_and_check_(
     if found_inf is None:
         found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
     inv_scale = inv_scale.to(torch.float32)
-    for (device, dtype), group in group_by_device_and_dtype(tensors).items():
+    for (device, dtype), group in group_by_device_and_dtype(tensors, in_place=True).items():
         if not _fused_kernel_takes(device, dtype):
             found_inf.copy_(torch.maximum(found_inf, _unscale_and_check_foreach_(group, inv_scale)))
         elif device == found_inf.device:

@@ -53,10 +53,11 @@ class GradientAccumulator:
             for i, g in enumerate(grads):
                 if g is None:
                     continue
-                if self.sums[i] is None:
+                total = self.sums[i]
+                if total is None:
                     self.sums[i] = g.detach().float().clone()
                 else:
-                    self.sums[i].add_(g)
+                    total.add_(g)
             flag = found_inf.detach().clone() if self.found_inf is None else self.found_inf
             self.found_inf = torch.maximum(flag, found_inf) if self.found_inf is not None else flag
         self.micro_step += 1
@@ -64,9 +65,11 @@ class GradientAccumulator:
 
     def pop_average(self) -> tuple[list[torch.Tensor | None], torch.Tensor]:
         """Return (average gradients, window found_inf) and start a new window."""
+        found_inf = self.found_inf
+        if found_inf is None:
+            raise RuntimeError("pop_average() on an empty window: add() a micro-batch first")
         with torch.no_grad():
             averages = [None if s is None else s.div_(self.steps) for s in self.sums]
-        found_inf = self.found_inf
         self.sums, self.found_inf, self.micro_step = [], None, 0
         return averages, found_inf
 

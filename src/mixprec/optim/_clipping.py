@@ -25,7 +25,8 @@ tensor([3.0000, 3.5000])
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from mixprec.numerics import (
     is_dtensor,
     local_shards,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "clip_by_value_",
@@ -69,7 +73,8 @@ def clip_by_norm_(grads: list[torch.Tensor], clipnorm: float) -> None:
     for group in _by_kind(grads):
         norms = torch._foreach_norm(group, 2.0, dtype=torch.float32)
         if is_dtensor(group[0]):  # partial norms: one collective makes them whole tensors'
-            norms = list(torch.stack(norms).full_tensor().unbind())
+            # The norms of DTensors are DTensors, and so is their stack.
+            norms = cast("DTensor", torch.stack(norms)).full_tensor().unbind()
         # g * clipnorm / max(norm, clipnorm): 1 when the norm is already small enough.
         factors = torch._foreach_maximum(norms, clipnorm)
         torch._foreach_reciprocal_(factors)
@@ -81,7 +86,7 @@ def clip_by_global_norm_(
     grads: list[torch.Tensor],
     clipnorm: float,
     *,
-    shards: list[torch.Tensor] = (),
+    shards: Sequence[torch.Tensor] = (),
     process_group: Any = None,
 ) -> torch.Tensor:
     """Rescale all gradients together so that their joint L2 norm is at most ``clipnorm``.
@@ -107,7 +112,7 @@ def clip_gradients_(
     clipnorm: float | None = None,
     global_clipnorm: float | None = None,
     *,
-    shards: list[torch.Tensor] = (),
+    shards: Sequence[torch.Tensor] = (),
     process_group: Any = None,
 ) -> None:
     """Apply the clipping options that are set, in order: value, per-tensor norm, global norm.
@@ -143,7 +148,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def norm_across_ranks(
-    grads: list[torch.Tensor], shards: list[torch.Tensor] = (), process_group: Any = None
+    grads: list[torch.Tensor], shards: Sequence[torch.Tensor] = (), process_group: Any = None
 ) -> torch.Tensor:
     """The L2 norm of all gradients of the model, where parts of it live on other ranks.
 

@@ -65,7 +65,11 @@ class ParameterEMA:
         # weight = (1 - m_eff) * applied, with m_eff = 0 on the very first applied step.
         weight = (1.0 - self.momentum * (1.0 - first)) * applied.to(torch.float32)
         with torch.no_grad():
-            torch._foreach_lerp_(self.averages, [p.float() for p in params], weight)
+            # A 0-dim tensor weight (no host sync) is accepted at run time; torch's stubs
+            # list only numbers, number sequences and tensor lists.
+            torch._foreach_lerp_(
+                self.averages, [p.float() for p in params], weight  # type: ignore[call-overload]
+            )
             if self.overwrite_frequency is not None:
                 due = ((iterations + 1) % self.overwrite_frequency == 0).to(torch.float32)
                 self.copy_into(params, weight=due * applied.to(torch.float32))

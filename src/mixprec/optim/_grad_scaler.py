@@ -52,7 +52,7 @@ from mixprec.loss_scale import (
     restore_loss_scale,
     step_or_skip,
 )
-from mixprec.numerics import unscale_and_check_
+from mixprec.numerics import coalesce_sparse_half_grads_, unscale_and_check_
 
 __all__ = ["GradScaler"]
 
@@ -139,8 +139,7 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, torch.Tensor):
-            self.loss_scale.mark_scaled()
-            return outputs * self._scale_on(outputs.device)
+            return self.loss_scale.mark_on_backward(outputs * self._scale_on(outputs.device))
         if isinstance(outputs, Iterable):
             scaled = map(self.scale, outputs)
             return type(outputs)(scaled) if isinstance(outputs, list | tuple) else scaled
@@ -168,7 +167,9 @@ class GradScaler:
         self.loss_scale.mark_scaled()  # other optimizers of this iteration share the loss
 
     def _grads(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        coalesce_sparse_half_grads_(params)
+        return [p.grad for p in params if p.grad is not None]
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place (once per ``update()``)."""
@@ -203,7 +204,10 @@ class GradScaler:
             self._check_scaled()
             one = torch.ones((), dtype=torch.float32, device=self.loss_scale.device)
             state["found_inf"] = unscale_and_check_(self._grads(optimizer), one)
-            grad_scale = self.loss_scale.scale
+            # A grad_scale the caller set on the optimizer multiplies ours, as in torch's.
+            preset = getattr(optimizer, "grad_scale", None)
+            scale = self.loss_scale.scale
+            grad_scale = scale if preset is None else scale * preset
         else:
             if state["stage"] is _Stage.READY:
                 self.unscale_(optimizer)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -45,7 +45,7 @@ from mixprec.loss_scale import (
     restore_loss_scale,
     step_or_skip,
 )
-from mixprec.numerics import is_flat_shard, unscale_and_check_
+from mixprec.numerics import coalesce_sparse_half_grads_, is_flat_shard, unscale_and_check_
 from mixprec.optim._accumulation import GradientAccumulator
 from mixprec.optim._clipping import clip_gradients_, decay_
 from mixprec.optim._ema import ParameterEMA
@@ -56,6 +56,10 @@ from mixprec.optim._masters import (
     build_master,
     master_weight_mode,
 )
+
+if TYPE_CHECKING:
+    from mixprec.typing import LossScaleSpec
+    from mixprec.typing import MasterWeights as MasterWeightsOption  # not the class above
 
 __all__ = ["LossScaleOptimizer", "OptimizerWrapper", "StepCounters", "joint_step"]
 
@@ -101,9 +105,9 @@ class OptimizerWrapper(torch.optim.Optimizer):
     #: ``decoupled_weight_decay``). Private (``_``) names are always the wrapper's.
     own_attributes: ClassVar[frozenset[str]] = frozenset()
 
-    param_groups = _FromInner()  # type: ignore[assignment]
-    state = _FromInner()  # type: ignore[assignment]
-    defaults = _FromInner()  # type: ignore[assignment]
+    param_groups = _FromInner()
+    state = _FromInner()
+    defaults = _FromInner()
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
@@ -393,9 +397,9 @@ class LossScaleOptimizer(OptimizerWrapper):
     def __init__(
         self,
         inner_optimizer: torch.optim.Optimizer,
-        loss_scale: Any = "dynamic",
+        loss_scale: LossScaleSpec = "dynamic",
         *,
-        master_weights: bool | str = False,
+        master_weights: MasterWeightsOption = False,
         clipnorm: float | None = None,
         clipvalue: float | None = None,
         global_clipnorm: float | None = None,
@@ -523,6 +527,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
         if self._master is not None:
             self._master.grads_to_masters()
+        coalesce_sparse_half_grads_(params)
         grads = [p.grad for p in params]
         if unscaled:  # already divided by the scale: check only
             one = torch.ones((), dtype=torch.float32, device=self.loss_scaler.device)
@@ -540,7 +545,12 @@ class LossScaleOptimizer(OptimizerWrapper):
         # All ranks' verdict, before anything is applied (None: the window is not full).
         return agree_on_found_inf(found_inf, self.process_group)
 
-    def _apply(self, params: list[torch.Tensor], found_inf: torch.Tensor) -> bool:
+    def _apply(
+        self,
+        params: list[torch.Tensor],
+        found_inf: torch.Tensor,
+        step_kwargs: dict[str, Any] | None = None,
+    ) -> bool:
         """Clip, decay, step (or skip), EMA, copy back, count; leave the scale alone.
         Returns whether the step is known on the host to have been skipped."""
         if not self.skip_nonfinite:
@@ -551,13 +561,17 @@ class LossScaleOptimizer(OptimizerWrapper):
         with torch.no_grad():
             if (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None):
                 self._clip(params)  # norms are the whole model's, across shards
-            if self.decoupled_weight_decay and lean is None:
+            if self.decoupled_weight_decay and lean is None and applied is not None:
                 decay_(self._inner.param_groups, self.decoupled_weight_decay, applied)
         if lean is None:
-            _, skipped = step_or_skip(self._inner, found_inf, skip=self.skip_nonfinite)
+            _, skipped = step_or_skip(
+                self._inner, found_inf, skip=self.skip_nonfinite, kwargs=step_kwargs
+            )
         else:  # decay is folded into the lean update, where bfloat16 keeps it
-            skipped = lean.step(found_inf, self.skip_nonfinite, self.decoupled_weight_decay)
-        if self._ema is not None:
+            skipped = lean.step(
+                found_inf, self.skip_nonfinite, self.decoupled_weight_decay, step_kwargs
+            )
+        if self._ema is not None and applied is not None:
             self._ema.update(params, applied, self._counters.applied.to(applied.device))
         if self._master is not None:
             self._master.masters_to_model()
@@ -577,21 +591,22 @@ class LossScaleOptimizer(OptimizerWrapper):
             shards=shards, process_group=self.process_group,
         )  # fmt: skip
 
-    def _step(self, unscaled: bool = False) -> None:
+    def _step(self, unscaled: bool = False, step_kwargs: dict[str, Any] | None = None) -> None:
         """The step on the gradients in ``.grad``: still scaled, or already ``unscaled``."""
         params = self._stepped_params()
         found_inf = self._prepare(params, unscaled)
         if found_inf is None:  # inside an accumulation window: nothing changes yet
             return
-        skipped = self._apply(params, found_inf)
+        skipped = self._apply(params, found_inf, step_kwargs)
         self.loss_scaler.update(found_inf=found_inf)
         self.loss_scaler.observe_step(skipped)  # may raise ScaleCollapseError
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` did), check, clip, apply or skip, update the scale.
 
         ``closure``, if given, runs first (gradients enabled) and must call
-        ``self.scale_loss(loss).backward()``. Gradients that no :meth:`scale_loss` produced
+        ``self.scale_loss(loss).backward()``. Other keyword arguments go to the inner
+        optimizer's ``step`` (trainers such as Lightning forward theirs). Gradients that no :meth:`scale_loss` produced
         raise ``RuntimeError``; a collapsed dynamic scale raises
         :class:`~mixprec.ScaleCollapseError` (checked after skipped non-fused steps; fused
         loops call ``opt.loss_scaler.raise_if_collapsed()`` where they sync anyway).
@@ -600,7 +615,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        self._step()
+        self._step(step_kwargs=kwargs)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -652,12 +667,12 @@ class LossScaleOptimizer(OptimizerWrapper):
         last = accumulator.micro_step + 1 >= accumulator.steps
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             yield from self._ddp_micro_step(model, last)
-        elif callable(getattr(model, "set_requires_gradient_sync", None)):  # FSDP2
-            model.set_requires_gradient_sync(last)
+        elif callable(sync := getattr(model, "set_requires_gradient_sync", None)):  # FSDP2
+            sync(last)
             try:
                 yield
             finally:
-                model.set_requires_gradient_sync(True)
+                sync(True)
         elif type(model).__name__ == "FullyShardedDataParallel":
             raise NotImplementedError(
                 "opt.no_sync() with FSDP1 (FullyShardedDataParallel): FSDP1 keeps the "
@@ -671,7 +686,9 @@ class LossScaleOptimizer(OptimizerWrapper):
                 f"module, got {type(model).__name__}"
             )
 
-    def _ddp_micro_step(self, model: torch.nn.Module, last: bool) -> Iterator[None]:
+    def _ddp_micro_step(
+        self, model: torch.nn.parallel.DistributedDataParallel, last: bool
+    ) -> Iterator[None]:
         params = [p for p in model.parameters() if p.requires_grad]
         held, self._held_grads = self._held_grads, {}
         with torch.no_grad():
@@ -700,7 +717,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                 "gradients are not part of any state dict; save after the step() that "
                 "ends the window"
             )
-        own = {
+        own: dict[str, Any] = {
             "loss_scale": loss_scale_state(self.loss_scaler),
             "counters": self._counters.state_dict(),
         }
@@ -720,6 +737,8 @@ class LossScaleOptimizer(OptimizerWrapper):
                         f"the checkpoint was saved {'without' if own[key] is None else 'with'} "
                         f"{key} but this optimizer is configured {'with' if part else 'without'} it"
                     )
+                if part is not None:
+                    _check_same_layout(part.state_dict(), own[key], f"state_dict['mixprec'][{key!r}]")
             StepCounters.check_state(own["counters"])
         self._inner.load_state_dict(inner)
         self._held_grads = {}  # a loaded state starts its own window
@@ -761,7 +780,8 @@ def joint_step(*optimizers: LossScaleOptimizer) -> None:
     if any(o.gradient_accumulation_steps for o in optimizers):
         raise ValueError("joint_step does not combine with gradient_accumulation_steps")
     params = [o._stepped_params() for o in optimizers]
-    flags = [o._prepare(p) for o, p in zip(optimizers, params)]
+    # _prepare gives None only inside an accumulation window, refused above.
+    flags = [f for o, p in zip(optimizers, params) if (f := o._prepare(p)) is not None]
     found_inf = torch.stack([f.to(flags[0].device) for f in flags]).amax()
     for o, p in zip(optimizers, params):
         o._apply(p, found_inf)
@@ -784,3 +804,30 @@ def _split_state_dict(state_dict: Any) -> tuple[dict[str, Any], dict[str, Any] |
         got = sorted(own) if isinstance(own, dict) else type(own).__name__
         raise ValueError(f"state_dict['mixprec'] must have keys {sorted(keys)}, got {got}")
     return inner, own
+
+
+def _check_same_layout(current: Any, saved: Any, where: str) -> None:
+    """Raise ``ValueError`` unless ``saved`` has ``current``'s structure: the same keys,
+    list lengths and tensor shapes (what a load needs to succeed), before anything loads."""
+    if isinstance(current, dict):
+        if not isinstance(saved, dict) or set(saved) != set(current):
+            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(f"{where} must have the keys {sorted(current)}, got {got}")
+        for key in current:
+            _check_same_layout(current[key], saved[key], f"{where}[{key!r}]")
+    elif isinstance(current, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(current):
+            got = len(saved) if isinstance(saved, (list, tuple)) else type(saved).__name__
+            raise ValueError(
+                f"{where} holds {got} entries where this optimizer has {len(current)}: "
+                "was it saved from another model or optimizer?"
+            )
+        for i, (c, s) in enumerate(zip(current, saved)):
+            _check_same_layout(c, s, f"{where}[{i}]")
+    elif isinstance(current, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or saved.shape != current.shape:
+            got = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise ValueError(
+                f"{where} has shape {got} where this optimizer has {tuple(current.shape)}: "
+                "was it saved from another model?"
+            )

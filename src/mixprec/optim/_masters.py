@@ -26,7 +26,7 @@ Each class's docstring has the algorithm and an example.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -154,13 +154,13 @@ class MasterWeights:
                     elif is_dtensor(p.grad):
                         m.grad = p.grad.float()
                     else:
-                        missing.append((p, m))
+                        missing.append((p.grad, m))
                 if missing:
                     sizes = [m.numel() for _, m in missing]
                     flat = torch.empty(sum(sizes), dtype=torch.float32, device=missing[0][1].device)
-                    for (p, m), view in zip(missing, flat.split(sizes)):
+                    for (grad, m), view in zip(missing, flat.split(sizes)):
                         m.grad = view.view_as(m)
-                        src.append(p.grad)
+                        src.append(grad)
                         dst.append(m.grad)
                 if dst:
                     torch._foreach_copy_(local_shards(dst), local_shards(src))
@@ -313,8 +313,8 @@ class SplitMasterWeights(MasterWeights):
     def state_dict(self) -> dict[str, Any]:
         masters = []
         for p, m in self._low:
-            low, ties = self._split.get(id(m), (None, None))
-            masters.append(m.detach().clone() if low is None else join_bits(p.detach(), low, ties))
+            split = self._split.get(id(m))
+            masters.append(m.detach().clone() if split is None else join_bits(p.detach(), *split))
         return {"mode": self.mode, "masters": masters}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -328,7 +328,7 @@ class SplitMasterWeights(MasterWeights):
 MASTER_WEIGHT_MODES = (False, "fp32", "split", "kahan", "stochastic")
 
 
-def master_weight_mode(value: Any) -> Any:
+def master_weight_mode(value: Any) -> Literal[False, "fp32", "split", "kahan", "stochastic"]:
     """Normalise ``master_weights=``: ``True`` means ``"fp32"``; raise on anything else.
 
     >>> master_weight_mode(True), master_weight_mode("kahan"), master_weight_mode(False)
@@ -483,7 +483,13 @@ class LeanUpdates:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the inner optimizer's ``zero_grad`` clears the gradients."""
 
-    def step(self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None = None) -> bool:
+    def step(
+        self,
+        found_inf: torch.Tensor,
+        skip: bool,
+        weight_decay: float | None = None,
+        step_kwargs: dict[str, Any] | None = None,
+    ) -> bool:
         """The inner step with lean rounding (see the module docstring); ``weight_decay``
         is ``LossScaleOptimizer``'s decoupled decay. Returns whether the host saw a skip."""
         applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
@@ -513,7 +519,7 @@ class LeanUpdates:
             for p, b in zip(self._low, buffers):
                 p.data = b
             try:
-                _, skipped = step_or_skip(self.optimizer, found_inf, skip=skip)
+                _, skipped = step_or_skip(self.optimizer, found_inf, skip=skip, kwargs=step_kwargs)
             finally:
                 for p, data in zip(self._low, originals):
                     p.data = data
