@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -106,7 +106,8 @@ def check_number(
         raise TypeError(
             f"{name} must be {expected}, got {value!r} ({type(value).__name__}){_fix(hint)}"
         )
-    number = int(value) if integer else float(value)
+    # ``kind`` is Integral when ``integer``: int() of an Integral is exact.
+    number = int(cast(numbers.Integral, value)) if integer else float(value)
     if (
         not math.isfinite(number)
         or (minimum is not None and (number <= minimum if exclusive else number < minimum))

@@ -308,8 +308,9 @@ def _cast_tree(tree: Any, dtype: torch.dtype, done: dict[int, torch.Tensor]) -> 
         values = {key: _cast_tree(value, dtype, done) for key, value in tree.items()}
         if all(values[key] is value for key, value in tree.items()):
             return tree
+        make: Any = type(tree)  # the tree's own mapping type; Mapping's says nothing of it
         try:
-            return type(tree)(values)
+            return make(values)
         except TypeError:
             # A mapping type whose constructor takes something else: a plain dict
             # keeps the data, which is what the layer reads.
@@ -362,8 +363,9 @@ def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
     >>> str(global_policy())
     'float32'
     """
-    token = _scoped.set(Policy(policy))
+    scoped = Policy(policy)
+    token = _scoped.set(scoped)
     try:
-        yield _scoped.get()
+        yield scoped
     finally:
         _scoped.reset(token)

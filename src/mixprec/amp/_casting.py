@@ -148,7 +148,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -169,6 +169,7 @@ __all__ = [
     "ModuleAmp",
     "FunctionLists",
     "get_state",
+    "state_of",
     "forget_regions",
     "region_members",
     "cast_tree",
@@ -268,7 +269,7 @@ def apply_policies(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> None:
 
 def _all_owners(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> list[nn.Module]:
     """Every owner under the planned ones (planned, and those set earlier)."""
-    owners = []
+    owners: list[nn.Module] = []
     for root, _, _ in plan:
         owners.extend(m for m in root.modules() if (s := get_state(m)) and s.policy is not None)
     return owners
@@ -407,6 +408,12 @@ def forget_regions(root: nn.Module) -> None:
 def get_state(module: nn.Module) -> ModuleAmp | None:
     """The amp state of ``module`` (``None`` when no policy covers it)."""
     return module.__dict__.get(ATTR)
+
+
+def state_of(module: nn.Module) -> ModuleAmp:
+    """The amp state of a ``module`` known to have one (a region member, a claimed
+    root); ``KeyError`` if it has none."""
+    return module.__dict__[ATTR]
 
 
 def region_members(owner: nn.Module) -> list[nn.Module]:
@@ -571,9 +578,8 @@ class ModuleAmp:
         if "_flat_weights" in attrs and hasattr(module, "_flat_weights_names"):
             # nn.RNN/LSTM/GRU read a list of their weights, not the attributes.
             saved = active[1] = attrs["_flat_weights"]
-            attrs["_flat_weights"] = [
-                attrs.get(name, weight) for name, weight in zip(module._flat_weights_names, saved)
-            ]
+            names = cast(nn.RNNBase, module)._flat_weights_names
+            attrs["_flat_weights"] = [attrs.get(name, weight) for name, weight in zip(names, saved)]
 
     def _unshadow(self, module: nn.Module) -> None:
         active = self._active.get(id(module))
@@ -597,7 +603,7 @@ class ModuleAmp:
         if cached is None or cached[0] != id(owner):
             cached = self._members = (id(owner), region_members(owner))
             for member in cached[1][1:]:
-                get_state(member).region_owner = self
+                state_of(member).region_owner = self
         return cached[1]
 
     # -- hooks -------------------------------------------------------------------------
@@ -617,7 +623,7 @@ class ModuleAmp:
                 _local.pass_token = object()
             members = self.members(module)
             for member in members:
-                get_state(member)._shadow(member)
+                state_of(member)._shadow(member)
             stack.append(dtype)
             mode = self._enter_functions()
             self._frames.setdefault(id(module), []).append((mode, members))
@@ -655,7 +661,7 @@ class ModuleAmp:
         stack = _region_stack()
         stack.pop()
         for member in members:
-            get_state(member)._unshadow(member)
+            state_of(member)._unshadow(member)
         if not stack:
             _local.pass_token = None
         policy = self.policy
@@ -741,8 +747,8 @@ class _CastCache:
             return self.get(id(tree), tree, dtype)
         if isinstance(tree, (list, tuple, dict)):
             if isinstance(tree, dict):
-                items = {k: self.cast_args(v, dtype) for k, v in tree.items()}
-                return items if any(items[k] is not v for k, v in tree.items()) else tree
+                entries = {k: self.cast_args(v, dtype) for k, v in tree.items()}
+                return entries if any(entries[k] is not v for k, v in tree.items()) else tree
             items = [self.cast_args(v, dtype) for v in tree]
             if all(a is b for a, b in zip(items, tree)):
                 return tree
@@ -784,8 +790,8 @@ def cast_tree(tree: Any, dtype: torch.dtype, seen: list | None = None) -> Any:
 
 
 def _same_mapping(tree: Mapping, values: dict) -> Any:
-    try:
-        return type(tree)(values)
+    try:  # the tree's own mapping type (the ABC's signature says nothing of it)
+        return cast(Any, type(tree))(values)
     except TypeError:  # a mapping whose constructor takes something else: the data is kept
         return values
 
@@ -810,8 +816,9 @@ def shadow(module: nn.Module, dtype: torch.dtype, frames: list) -> None:
     if names and "_flat_weights" in attrs and hasattr(module, "_flat_weights_names"):
         # nn.RNN/LSTM/GRU read a list of their weights, not the attributes.
         flat = attrs["_flat_weights"]
+        weight_names = cast(nn.RNNBase, module)._flat_weights_names
         attrs["_flat_weights"] = [
-            attrs.get(name, weight) for name, weight in zip(module._flat_weights_names, flat)
+            attrs.get(name, weight) for name, weight in zip(weight_names, flat)
         ]
     frames.append((names, flat))
 

@@ -95,7 +95,7 @@ import functools
 import itertools
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -111,11 +111,15 @@ from mixprec.amp._casting import (
     check_module,
     claim_tree,
     get_state,
+    state_of,
 )
 from mixprec.loss_scale import LossScale, default_loss_scale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim._masters import master_weight_mode
 from mixprec.policy import Policy
+
+if TYPE_CHECKING:
+    from mixprec.typing import Float8Recipe, Level, LossScaleSpec, LowPrecision, MasterWeights
 
 __all__ = [
     "initialize",
@@ -140,7 +144,7 @@ _log = logging.getLogger("mixprec.amp")
 LEVELS = ("O0", "O1", "O2", "O3", "lean", "auto")
 
 
-def check_level_name(level: Any) -> str:
+def check_level_name(level: Any) -> Level:
     """``level`` checked and normalised (``"o2"`` -> ``"O2"``); a clear error otherwise."""
     if not isinstance(level, str):
         raise TypeError(
@@ -150,10 +154,10 @@ def check_level_name(level: Any) -> str:
     normal = word if word in ("auto", "lean") else level.strip().upper()
     if normal not in LEVELS:
         raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
-    return normal
+    return cast("Level", normal)  # one of LEVELS, the canonical spellings
 
 
-def _check_dtype(dtype: Any) -> torch.dtype:
+def _check_dtype(dtype: LowPrecision) -> torch.dtype:
     return as_low_precision(
         dtype, "dtype", hint="the low precision of the level; use level='O0' for float32"
     )
@@ -175,7 +179,7 @@ def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int]) -> Non
             )
 
 
-def _check_loss_scale(loss_scale: Any, level: str, dtype: torch.dtype) -> LossScale:
+def _check_loss_scale(loss_scale: LossScaleSpec, level: Level, dtype: torch.dtype) -> LossScale:
     if loss_scale is None:
         return default_loss_scale(level, dtype)
     try:
@@ -189,14 +193,14 @@ def _check_loss_scale(loss_scale: Any, level: str, dtype: torch.dtype) -> LossSc
 def initialize(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
-    level: str = "O1",
-    dtype: torch.dtype = torch.float16,
+    level: Level = "O1",
+    dtype: LowPrecision = torch.float16,
     keep_batchnorm_fp32: bool | None = None,
-    loss_scale: Any = None,
+    loss_scale: LossScaleSpec = None,
     white_list: Any = None,
     black_list: Any = None,
-    master_weights: Any = None,
-    fp8: bool | str = False,
+    master_weights: MasterWeights | None = None,
+    fp8: Float8Recipe = False,
 ) -> tuple[nn.Module, Any]:
     """Prepare ``model`` (in place) and ``optimizer`` for mixed-precision training at ``level``.
 
@@ -349,7 +353,7 @@ def initialize(
 
     claim_tree(model)
     apply_policies(plan)
-    root = get_state(model)
+    root = state_of(model)  # claimed above
     root.level = "lean" if lean else level
     if white_functions or black_functions:
         root.functions = FunctionLists(
@@ -360,7 +364,7 @@ def initialize(
     return model, LossScaleOptimizer(optimizer, loss_scale=scaler, master_weights=masters)
 
 
-def check_fp8(fp8: Any) -> str | None:
+def check_fp8(fp8: Any) -> Literal["dynamic", "delayed"] | None:
     """The float8 recipe ``fp8`` asks for (``True`` is ``"dynamic"``), or ``None`` for none.
 
     >>> check_fp8(True), check_fp8("delayed"), check_fp8(False)
@@ -377,16 +381,20 @@ def check_fp8(fp8: Any) -> str | None:
     return check_choice("fp8", fp8, tuple(RECIPES), hint="or True for 'dynamic'")
 
 
-def level_master_weights(level: str) -> str | bool:
+def level_master_weights(level: str) -> MasterWeights:
     """The ``master_weights`` mode ``level`` uses by default.
 
     >>> level_master_weights("O2"), level_master_weights("lean"), level_master_weights("O3")
     ('fp32', 'kahan', False)
     """
-    return {"O2": "fp32", "lean": "kahan"}.get(level, False)
+    if level == "O2":
+        return "fp32"
+    return "kahan" if level == "lean" else False
 
 
-def _check_master_weights(value: Any, level: str, dtype: torch.dtype, optimizer: Any) -> Any:
+def _check_master_weights(
+    value: MasterWeights | None, level: Level, dtype: torch.dtype, optimizer: Any
+) -> MasterWeights:
     """The ``master_weights`` mode for ``level``: its default for ``None``, else checked."""
     if value is None:
         return level_master_weights(level)
@@ -490,7 +498,7 @@ def low_params(model: nn.Module, plan: list[tuple[nn.Module, Policy, bool]]) -> 
 # O1 bf16 0.38-0.40, torch.autocast bf16 0.35-0.36. O1 casts every activation into
 # and out of each allow-listed layer; O2 keeps weights and activations in bf16 and
 # pays only the float32 norm boundaries and the master-weight copies.
-_CPU_AUTO_LEVEL = "O1"
+_CPU_AUTO_LEVEL: Final = "O1"
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -512,7 +520,7 @@ def cpu_has_fast(dtype: torch.dtype) -> bool:
         return False
 
 
-def choose_auto(device: torch.device | str) -> tuple[str, torch.dtype, str]:
+def choose_auto(device: torch.device | str) -> tuple[Level, torch.dtype, str]:
     """``(level, dtype, reason)``: what ``auto`` picks on ``device`` (table above), and why.
 
     >>> level, dtype, reason = choose_auto("cpu")
@@ -534,7 +542,7 @@ def choose_auto(device: torch.device | str) -> tuple[str, torch.dtype, str]:
     return "O0", torch.float32, why
 
 
-def resolve_level(model: nn.Module, level: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
+def resolve_level(model: nn.Module, level: Level, dtype: torch.dtype) -> tuple[Level, torch.dtype]:
     """The concrete ``(level, dtype)`` that ``level`` means for ``model`` (``auto`` decides)."""
     if level != "auto":
         return level, dtype

@@ -811,7 +811,7 @@ def _check_same_layout(current: Any, saved: Any, where: str) -> None:
     list lengths and tensor shapes (what a load needs to succeed), before anything loads."""
     if isinstance(current, dict):
         if not isinstance(saved, dict) or set(saved) != set(current):
-            got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            got: object = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
             raise ValueError(f"{where} must have the keys {sorted(current)}, got {got}")
         for key in current:
             _check_same_layout(current[key], saved[key], f"{where}[{key!r}]")
