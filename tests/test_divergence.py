@@ -237,7 +237,9 @@ def test_a_diverging_run_exits_3_in_one_line_after_saving_what_it_has(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["diverged"] in lines[0] and metrics["test_accuracy"] is None
     assert len(metrics["history"]["loss"]) == metrics["steps"] > 20
-    assert math.isnan(metrics["history"]["loss"][-1])
+    # Strict JSON: the NaN losses are nulls, and non_finite says so.
+    assert metrics["history"]["loss"][-1] is None
+    assert "NaN" in metrics["non_finite"]["history.loss"]
     for name in ("config.json", "loss.png", "accuracy.png", "loss_scale.png"):
         assert (out / name).is_file(), name
     assert list((out / "checkpoints").iterdir()) == []  # epoch 1 never finished

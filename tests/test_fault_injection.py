@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -226,13 +227,12 @@ def test_kill_mid_checkpoint_write_and_a_corrupt_newest_checkpoint(tmp_path):
     argv = ["train", "--out", str(run), "--epochs", str(EPOCHS), *ARGS]
     proc = run_child(argv, {"inject": inject, "kill_save": 3})  # dies writing epoch 3
     assert proc.returncode == -signal.SIGKILL
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "epoch0001.pt",
-        "epoch0002.pt",
-        "epoch0003.pt.tmp",
-    ]
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert names[1:] == ["epoch0001.pt", "epoch0002.pt"]
+    assert re.fullmatch(r"\.epoch0003\.pt\.\d+\.\d+\.tmp", names[0])  # per process
     corrupt(run / "checkpoints" / "epoch0002.pt", "truncate")
     assert resume_until_done(run, inject, None) == ["resumed past a corrupt checkpoint"]
+    assert not list((run / "checkpoints").glob("*.tmp"))  # the dead process's, removed
     assert_matches(run, reference)
 
 

@@ -15,10 +15,15 @@ progress, and ends with the test accuracy. Into ``--out`` it writes ``config.jso
 overflow, and the loss scale to use.
 
 Exit codes: 0 success; 2 bad input (a missing data file, an unknown level, an output
-folder that holds a run or cannot be written, an unsafe checkpoint...), reported in one
+folder that holds a run, is held by another mixprec process or cannot be written, an
+unsafe or unfitting checkpoint, a damaged metrics.csv or config.json...), reported in one
 line on stderr before anything is written; 3 the run diverged (the loss scale collapsed,
-the loss stayed NaN, a weight became non-finite), reported in one line on stderr after
-the metrics, plots and finished epochs' checkpoints were saved.
+the loss stayed NaN, a weight became non-finite, every step was skipped), reported in one
+line on stderr after the metrics, plots and finished epochs' checkpoints were saved;
+1 the environment failed (no space left on device writing a file: the finished epochs'
+checkpoints are intact and ``--resume`` continues once there is space); 130 interrupted
+(Ctrl-C), resumable from the last finished epoch. ``mixprec compare`` exits non-zero
+when any level failed (3 when each failed level diverged), after writing its table.
 
 The parts: :mod:`mixprec.cli._args` (the parser), :mod:`mixprec.cli._run_folder` (what a
 run folder holds and its rules), :mod:`mixprec.cli._train` and :mod:`mixprec.cli._compare`
@@ -27,6 +32,7 @@ run folder holds and its rules), :mod:`mixprec.cli._train` and :mod:`mixprec.cli
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 from typing import Any
@@ -67,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(args)
+    except KeyboardInterrupt as err:  # Ctrl-C: one line, the conventional 128 + SIGINT
+        print(f"mixprec: {_one_line(err) or 'interrupted'}", file=sys.stderr)
+        return 130
     except (UsageError, DataError) as err:
         print(f"mixprec: error: {err}", file=sys.stderr)
         return 2
@@ -76,12 +85,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as err:  # a folder or file that cannot be written (or read)
         where = f" {err.filename}" if err.filename else ""
+        if err.errno in _ENVIRONMENT:  # not the user's input: the machine's state
+            print(f"mixprec: error: {_ENVIRONMENT[err.errno]} writing{where}", file=sys.stderr)
+            return 1
         print(f"mixprec: error: cannot write{where}: {err.strerror or err}", file=sys.stderr)
         return 2
     except DIVERGED as err:
         print(f"mixprec: diverged: {_one_line(err)}", file=sys.stderr)
         return 3
+    except CompareFailed as err:
+        print(f"mixprec: error: {_one_line(err)}", file=sys.stderr)
+        return err.code
     return 0
+
+
+#: Errors of the machine rather than of the input: exit code 1.
+_ENVIRONMENT = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EIO: "input/output error",
+}
+
+
+class CompareFailed(Exception):
+    """``mixprec compare``: some levels failed (the table says which and why)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _one_line(err: BaseException) -> str:

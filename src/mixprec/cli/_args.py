@@ -32,7 +32,12 @@ from typing import Any
 
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 
-__all__ = ["DEFAULTS", "UsageError", "build_parser", "fill_defaults"]
+__all__ = ["DEFAULTS", "LR_MAX", "UsageError", "build_parser", "fill_defaults"]
+
+#: The largest ``--lr``: AdamW's first step is up to 10 x the learning rate (its bias
+#: correction), and that must stay a float32 number (3.4e38) for the update to be made;
+#: a larger one is refused instead of failing inside the optimizer.
+LR_MAX = 3.4e37
 
 #: Defaults of the training options, filled in after parsing (:func:`fill_defaults`), so
 #: that a resumed run can tell a given option from a default.
@@ -131,6 +136,28 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _at_most(top: float, why: str) -> Any:
+    positive = _positive(float)
+
+    def parse(text: str) -> float:
+        value = positive(text)
+        if value > top:
+            raise argparse.ArgumentTypeError(f"expected at most {top:g} ({why}), got {text!r}")
+        return value
+
+    return parse
+
+
+def _path(text: str) -> Path:
+    """A path that names something: ``--out ""`` would be the working directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected a path, got {text!r} (an empty path would mean the current folder; "
+            "pass . to mean it)"
+        )
+    return Path(text)
+
+
 def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True) -> None:
     if level_default:
         p.add_argument(
@@ -164,7 +191,7 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
     )
     p.add_argument(
         "--data",
-        type=Path,
+        type=_path,
         default=None,
         help=".npz (arrays x, y) or .csv (last column = label) file, labels 0..C-1; "
         "default: the embedded 8x8 digits",
@@ -184,10 +211,10 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
     )
     p.add_argument(
         "--lr",
-        type=_positive(float),
+        type=_at_most(LR_MAX, "larger steps overflow float32 weights"),
         default=None,
-        help="peak AdamW learning rate of the one-cycle schedule, positive and finite "
-        f"(default: {DEFAULTS['lr']})",
+        help="peak AdamW learning rate of the one-cycle schedule, positive, at most "
+        f"{LR_MAX:g} (default: {DEFAULTS['lr']})",
     )
     p.add_argument(
         "--seed",
@@ -222,6 +249,13 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
         help="run the network through torch.compile (every level; the first steps compile)",
     )
     p.add_argument(
+        "--max-skipped-fraction",
+        type=_at_most(1.0, "a fraction of the steps"),
+        default=None,
+        help="a run that skipped at least this fraction of its steps (inf/NaN gradients) "
+        "fails with exit code 3 after saving (default: 1: a run that skipped every step)",
+    )
+    p.add_argument(
         "--quiet",
         action="store_true",
         help="no progress (otherwise a live bar on a terminal, one line per epoch elsewhere)",
@@ -243,7 +277,7 @@ def _add_diagnose_command(sub: Any) -> None:
     )
     diagnose.add_argument(
         "--data",
-        type=Path,
+        type=_path,
         default=None,
         help=".npz or .csv file as for train; default: the embedded digits",
     )
@@ -281,7 +315,7 @@ def _add_diagnose_command(sub: Any) -> None:
     diagnose.add_argument("--threads", type=_positive(int), default=None, help="CPU threads")
     diagnose.add_argument(
         "--out",
-        type=Path,
+        type=_path,
         default=Path("runs/diagnose"),
         help="output folder (default: %(default)s)",
     )
@@ -306,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_options(train)
     train.add_argument(
         "--out",
-        type=Path,
+        type=_path,
         default=None,
         help="output folder (default: runs/train); a folder that already holds a run is "
         "refused unless --overwrite",
@@ -318,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--resume",
-        type=Path,
+        type=_path,
         default=None,
         help="a previous run's folder: continue it there, with its settings, from its "
         "newest readable checkpoint (--epochs N extends it to N epochs in total)",
@@ -337,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_options(compare, level_default=False)
     compare.add_argument(
         "--out",
-        type=Path,
+        type=_path,
         default=Path("runs/compare"),
         help="output folder (default: %(default)s)",
     )

@@ -8,6 +8,12 @@ records the run's settings (data path absolute, level and dtype as resolved), so
 * A new run refuses an ``--out`` that already holds a run, unless ``--overwrite``
   (then the old run's files are deleted first, and only the new run's remain); an
   ``--out`` that cannot be created or written is refused before anything is written.
+* A run folder is owned: its files and ``checkpoints/`` are never links (a new run
+  counts a link there, dangling or not, as a run file; ``--overwrite`` deletes the link
+  itself, never what it points to; ``--resume`` refuses a folder holding one), and one
+  process at a time holds it (:class:`RunLock`, an ``flock`` on ``.mixprec.lock``,
+  released when the process exits or dies): a second ``train``, ``--resume`` or
+  ``--overwrite`` on it is refused, naming the holder's pid.
 * ``--resume DIR`` continues in ``DIR``: options given with it must agree with the
   run's settings (``--epochs N`` may extend it; ``--device``, ``--threads`` and
   ``--quiet`` are free); it loads the newest checkpoint that reads, skipping corrupt
@@ -29,7 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
+import math
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,8 +46,9 @@ from typing import Any
 import torch
 
 from mixprec._checks import as_dtype
-from mixprec.cli._args import UsageError
+from mixprec.cli._args import LR_MAX, UsageError
 from mixprec.train._checkpoint import CheckpointError, newest_readable
+from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 from mixprec.train.callbacks import ModelCheckpoint
 
 __all__ = [
@@ -51,6 +61,8 @@ __all__ = [
     "resume_settings",
     "pick_checkpoint",
     "KEEP_LAST",
+    "RunLock",
+    "links_in",
 ]
 
 #: The files a run writes besides its checkpoints.
@@ -67,7 +79,11 @@ RUN_FORMAT = "mixprec-run-1"
 #: Checkpoints a run keeps: the newest two, so a corrupt newest one has a fallback.
 KEEP_LAST = 2
 #: Settings a resumed run takes from its folder; a given option must agree with them.
-RESUMED = ("level", "dtype", "loss_scale", "model", "data", "batch_size", "lr", "seed", "fp8")
+RESUMED = (
+    "level", "dtype", "loss_scale", "model", "data", "batch_size", "lr", "seed", "fp8", "compile"
+)  # fmt: skip
+#: The lock file that marks a run folder held by a process.
+LOCK_NAME = ".mixprec.lock"
 
 
 def _checkpoints(folder: Path) -> ModelCheckpoint:
@@ -75,12 +91,32 @@ def _checkpoints(folder: Path) -> ModelCheckpoint:
     return ModelCheckpoint(folder / "checkpoints", keep_last=KEEP_LAST)
 
 
-def run_files(folder: Path) -> list[str]:
-    """The names of a run's files present in ``folder`` (``checkpoints/`` if it has any)."""
+def links_in(folder: Path) -> list[Path]:
+    """The run files of ``folder`` (``checkpoints/`` and the files in it included) that
+    are symbolic links: writing or deleting through them would touch another folder."""
     if not folder.is_dir():
         return []
-    names = [name for name in RUN_FILES if (folder / name).exists()]
-    if _checkpoints(folder).existing():
+    found = [folder / name for name in (*RUN_FILES, "checkpoints") if (folder / name).is_symlink()]
+    checkpoints = folder / "checkpoints"
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        found += [p for p in sorted(checkpoints.iterdir()) if p.is_symlink()]
+    return found
+
+
+def _link_text(link: Path) -> str:
+    try:
+        return f"{link} is a link to {os.readlink(link)}"
+    except OSError:
+        return f"{link} is a link"
+
+
+def run_files(folder: Path) -> list[str]:
+    """The names of a run's files present in ``folder`` (``checkpoints/`` if it has any);
+    a link counts, dangling or not."""
+    if not folder.is_dir():
+        return []
+    names = [name for name in RUN_FILES if os.path.lexists(folder / name)]
+    if (folder / "checkpoints").is_symlink() or _checkpoints(folder).existing():
         names.append("checkpoints/")
     return names
 
@@ -102,6 +138,9 @@ def prepare_out(out: Path, overwrite: bool) -> None:
 
     Any failure is a :class:`UsageError` and leaves no folder behind that was not there.
     """
+    if overwrite:  # the links themselves go, before anything is written through them
+        for link in links_in(out):
+            link.unlink()
     created = [p for p in (out / "checkpoints", out, *out.parents) if not p.exists()]
     try:
         (out / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -116,7 +155,7 @@ def prepare_out(out: Path, overwrite: bool) -> None:
     if overwrite:
         keeper = _checkpoints(out)
         for stale in [*keeper.existing(), *keeper.directory.glob("*.tmp")]:
-            stale.unlink()
+            stale.unlink()  # a link is deleted itself, never what it points to
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
 
@@ -141,7 +180,60 @@ def read_config(folder: Path) -> dict[str, Any]:
     missing = [k for k in (*RESUMED, "amp_level", "epochs") if k not in config]
     if missing:
         raise UsageError(f"--resume {folder}: config.json lacks {', '.join(missing)}")
+    for key, value in config.items():
+        check = _SETTINGS.get(key)
+        if check is not None and not check[0](value):
+            raise UsageError(
+                f"--resume {folder}: {path} has {key} {json.dumps(value)}, expected "
+                f"{check[1]}; correct it, or start a new run with --out"
+            )
     return config
+
+
+def _whole(minimum: int | None, optional: bool = False) -> Any:
+    def ok(v: Any) -> bool:
+        if v is None:
+            return optional
+        return isinstance(v, int) and not isinstance(v, bool) and (minimum is None or v >= minimum)
+
+    return ok
+
+
+def _scale_ok(v: Any) -> bool:
+    if v in ("dynamic", "none"):
+        return True
+    try:
+        number = float(v)
+    except (TypeError, ValueError):
+        return False
+    return isinstance(v, str) and 0 < number < math.inf
+
+
+def _number_ok(v: Any, top: float) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= top
+
+
+#: What each setting of ``config.json`` must be (a hand-edited file is refused by name).
+_SETTINGS: dict[str, tuple[Any, str]] = {
+    "level": (lambda v: v in AMP_LEVELS, f"one of {', '.join(AMP_LEVELS)}"),
+    "amp_level": (lambda v: v in AMP_LEVELS and v != "auto", "a level"),
+    "dtype": (lambda v: v in ("float16", "bfloat16", "float32"), "float16 or bfloat16"),
+    "loss_scale": (_scale_ok, "'dynamic', 'none' or a positive number (as text)"),
+    "model": (lambda v: v in MODEL_NAMES, f"one of {', '.join(MODEL_NAMES)}"),
+    "data": (lambda v: v is None or (isinstance(v, str) and v != ""), "a path or null"),
+    "epochs": (_whole(1), "a positive whole number"),
+    "batch_size": (_whole(1), "a positive whole number"),
+    "lr": (lambda v: _number_ok(v, LR_MAX), f"a positive number up to {LR_MAX:g}"),
+    "seed": (_whole(None), "a whole number"),
+    "device": (lambda v: v is None or (isinstance(v, str) and v != ""), "a device or null"),
+    "threads": (_whole(1, optional=True), "a positive whole number or null"),
+    "compile": (lambda v: isinstance(v, bool), "true or false"),
+    "fp8": (lambda v: v in (None, "dynamic", "delayed"), "null, 'dynamic' or 'delayed'"),
+    "max_skipped_fraction": (
+        lambda v: v is None or _number_ok(v, 1.0),
+        "a number in (0, 1] or null",
+    ),
+}
 
 
 def _same(key: str, given: Any, saved: Any) -> bool:
@@ -170,6 +262,13 @@ def resume_settings(args: argparse.Namespace, given: set[str]) -> argparse.Names
             "own folder; leave --out out"
         )
     saved = read_config(folder)
+    links = links_in(folder)
+    if links:
+        raise UsageError(
+            f"--resume {folder}: {_link_text(links[0])}; a run folder must hold its own "
+            "files, or the run would write into another folder: replace the link with a "
+            "copy (cp -L) to resume"
+        )
     for key in RESUMED:
         if key in given and not _same(key, getattr(args, key), saved[key]):
             flag = "--" + key.replace("_", "-")
@@ -183,7 +282,8 @@ def resume_settings(args: argparse.Namespace, given: set[str]) -> argparse.Names
     args.requested_level = saved["level"]
     args.level = saved["amp_level"]  # "auto" as it was resolved
     args.data = None if saved["data"] is None else Path(saved["data"])
-    for key in ("epochs", "device", "threads"):  # free to change, the run's own by default
+    # Free to change, the run's own by default.
+    for key in ("epochs", "device", "threads", "max_skipped_fraction"):
         if key not in given:
             setattr(args, key, saved.get(key))
     args.out = folder
@@ -207,3 +307,93 @@ def pick_checkpoint(folder: Path, device: torch.device) -> tuple[Path, int, str 
     if skipped:
         warning = f"{'; '.join(map(str, skipped))}; resuming from {path.name} instead"
     return path, int(payload["epoch"]), warning
+
+
+class RunLock:
+    """One process at a time in a run folder: an ``flock`` on ``folder/.mixprec.lock``.
+
+    The operating system releases the lock when the process exits or dies, so a crash
+    never leaves a folder locked; :meth:`release` also deletes the file. A second
+    process is refused with a :class:`UsageError` naming the holder's pid (written in
+    the file). Folders :meth:`acquire` had to create are removed again by
+    ``release(remove_created=True)`` (a run refused before writing anything).
+    """
+
+    def __init__(self, folder: Path, flag: str) -> None:
+        self.folder, self.flag = folder, flag
+        self.path = folder / LOCK_NAME
+        self.fd: int | None = None
+        self.created: list[Path] = []
+
+    def acquire(self) -> RunLock:
+        import fcntl
+
+        self.created = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            self._remove_created()
+            reason = err.strerror or type(err).__name__
+            raise UsageError(f"{self.flag} {self.folder}: cannot write there ({reason})") from None
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        while True:
+            try:
+                fd = os.open(self.path, flags, 0o644)
+            except OSError as err:
+                self._remove_created()
+                if err.errno == errno.ELOOP:
+                    raise UsageError(
+                        f"{self.flag} {self.folder}: {LOCK_NAME} is a link; remove it"
+                    ) from None
+                reason = err.strerror or type(err).__name__
+                raise UsageError(
+                    f"{self.flag} {self.folder}: cannot write there ({reason})"
+                ) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as err:
+                holder = _read_pid(fd)
+                os.close(fd)
+                if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+                who = f"process {holder}" if holder else "another process"
+                raise UsageError(
+                    f"{self.flag} {self.folder}: the run folder is in use by mixprec {who}; "
+                    "wait for it to finish (or stop it), or choose another folder"
+                ) from None
+            # The holder before us may have deleted the file after we opened it: retry.
+            try:
+                same = os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def release(self, remove_created: bool = False) -> None:
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # while still held: a waiting process retries on the new file
+        os.close(self.fd)
+        self.fd = None
+        if remove_created:
+            self._remove_created()
+
+    def _remove_created(self) -> None:
+        for folder in self.created:  # deepest first
+            with contextlib.suppress(OSError):  # best effort: a folder may not be empty
+                folder.rmdir()
+        self.created = []
+
+
+def _read_pid(fd: int) -> str | None:
+    try:
+        text = os.pread(fd, 32, 0).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text.isdigit() else None

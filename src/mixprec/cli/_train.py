@@ -8,16 +8,23 @@ checkpoints, from which ``--resume`` continues exactly (the folder rules are in
 :mod:`mixprec.cli._run_folder`). Every input error surfaces before anything is written.
 
 A run that diverges (the loss scale collapses, the loss stays NaN, a weight becomes
-non-finite) still writes its metrics and plots up to that point, keeps the checkpoints
-of the epochs it finished, and then raises; the command exits with code 3.
+non-finite, or every step was skipped: ``--max-skipped-fraction``) still writes its
+metrics and plots up to that point, keeps the checkpoints of the epochs it finished,
+and then raises; the command exits with code 3. The run folder is locked
+(:class:`~mixprec.cli._run_folder.RunLock`) from before the first check to the end; an
+interrupted run (Ctrl-C) raises :class:`Interrupted` (exit 130) and is resumable from
+its last finished epoch. ``metrics.json`` is strict JSON: a NaN or infinite value is
+written as ``null`` and ``non_finite`` says which were.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,12 +35,14 @@ from mixprec.cli._args import UsageError, fill_defaults
 from mixprec.cli._run_folder import (
     KEEP_LAST,
     RUN_FORMAT,
+    RunLock,
     check_new_out,
     pick_checkpoint,
     prepare_out,
     resume_settings,
 )
 from mixprec.loss_scale import LossScale, ScaleCollapseError, loss_scale_from_spec
+from mixprec.train._atomic import atomic_write
 from mixprec.train._distributed import (
     DistributedModel,
     for_this_rank,
@@ -43,7 +52,7 @@ from mixprec.train._distributed import (
     run_on_main,
     shard_loader,
 )
-from mixprec.train._divergence import DivergenceError
+from mixprec.train._divergence import DivergenceError, check_skipped
 from mixprec.train._loop import Model, resolve_device
 from mixprec.train._plots import plot_accuracy, plot_loss, plot_loss_scale
 from mixprec.train.callbacks import (
@@ -56,16 +65,26 @@ from mixprec.train.callbacks import (
     PrecisionMonitor,
     ProgressBar,
 )
-from mixprec.train.data import infer_num_classes, load_csv, load_npz, train_test_loaders
+from mixprec.train.data import (
+    DataError,
+    infer_num_classes,
+    load_csv,
+    load_npz,
+    train_test_loaders,
+)
 from mixprec.train.models import build_model
 
 if TYPE_CHECKING:
     from mixprec.float8 import Float8Report
 
-__all__ = ["run_train", "build_run", "check_out_dir", "load_data", "DIVERGED"]
+__all__ = ["run_train", "build_run", "check_out_dir", "load_data", "DIVERGED", "Interrupted"]
 
 #: What ``Model.train`` raises when a run diverges; the command exits with code 3.
 DIVERGED = (ScaleCollapseError, DivergenceError)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during a run; the message says how to continue. Exit code 130."""
 
 
 # -- inputs ------------------------------------------------------------------------------
@@ -87,7 +106,11 @@ def load_data(args: argparse.Namespace):
             raise UsageError(
                 f"--data {args.data}: expected a .npz or .csv file, got {suffix or 'no suffix'!r}"
             )
-        x, y = (load_npz if suffix == ".npz" else load_csv)(args.data)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x, y = (load_npz if suffix == ".npz" else load_csv)(args.data)
+        for warning in caught:  # e.g. a header row of column numbers: one line each
+            print(f"mixprec: warning: {' '.join(str(warning.message).split())}", file=sys.stderr)
         train, test = train_test_loaders(x, y, batch_size=args.batch_size, seed=args.seed)
     x_all = train.dataset.tensors[0]
     classes = infer_num_classes(torch.cat([train.dataset.tensors[1], test.dataset.tensors[1]]))
@@ -144,7 +167,28 @@ def build_run(args: argparse.Namespace, level: str):
         device=device,
         compile=bool(getattr(args, "compile", False)),
     )
+    _check_range(args, model, train, test)
     return model, train, test, schedule
+
+
+def _check_range(args: argparse.Namespace, model: Model, *loaders: Any) -> None:
+    """Refuse features beyond the range of the dtype the level computes them in (float16
+    tops out at 65504): every batch holding one would overflow and be skipped."""
+    if model.amp_level == "O0" or model.dtype != torch.float16:
+        return  # float32 and bfloat16 share float32's range, checked when the data loaded
+    top = torch.finfo(model.dtype).max
+    for loader in loaders:
+        x = loader.dataset.tensors[0]
+        big = x.abs() > top
+        if bool(big.any()):
+            i = int(big.flatten(1).any(1).nonzero()[0])
+            value = float(x[i].flatten()[big[i].flatten()][0])
+            source = "the digits" if args.data is None else str(args.data)
+            raise DataError(
+                f"{source}: feature value {value:g} (sample {i}) is beyond float16's range "
+                f"({top:g}), which level {model.amp_level} computes in; rescale the features "
+                "(e.g. standardise them) or use --dtype bfloat16"
+            )
 
 
 # -- mixprec train -----------------------------------------------------------------------
@@ -176,7 +220,26 @@ class _RunStart(Callback):
         self.relayout()
         if is_main_process():  # under torchrun, rank 0 alone writes
             (self.out / "checkpoints").mkdir(parents=True, exist_ok=True)
-            (self.out / "config.json").write_text(json.dumps(self.config, indent=2))
+            _write_json(self.out / "config.json", self.config)
+
+
+def _write_json(path: Path, value: Any) -> None:
+    text = json.dumps(value, indent=2, allow_nan=False)
+    atomic_write(path, lambda f: f.write(text.encode()), fsync=False)
+
+
+def _strict(value: Any, where: str, notes: dict[str, str]) -> Any:
+    """``value`` with NaN and infinities as ``None``; ``notes[where]`` counts them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        kind = "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        counts = notes.setdefault(where, {})
+        counts[kind] = counts.get(kind, 0) + 1
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v, f"{where}.{k}" if where else str(k), notes) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v, where, notes) for v in value]
+    return value
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -214,6 +277,7 @@ def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         "threads": args.threads,
         "compile": bool(getattr(args, "compile", False)),
         "fp8": getattr(args, "fp8", None),
+        "max_skipped_fraction": getattr(args, "max_skipped_fraction", None),
     }
 
 
@@ -243,7 +307,14 @@ def _write_results(
         summary["float8"] = float8.summary()
     if not is_main_process():  # under torchrun, rank 0 alone writes
         return summary
-    (out / "metrics.json").write_text(json.dumps({"config": config, **summary}, indent=2))
+    counts: dict[str, dict[str, int]] = {}
+    strict = _strict({"config": config, **summary}, "", counts)
+    if counts:  # strict JSON: say what the nulls stand for
+        strict["non_finite"] = {
+            where: "written as null: " + ", ".join(f"{n} {kind}" for kind, n in found.items())
+            for where, found in counts.items()
+        }
+    _write_json(out / "metrics.json", strict)
     plot_loss(history.losses, out / "loss.png", epoch_losses=history.metrics.get("loss", []))
     plot_accuracy(
         {
@@ -267,30 +338,56 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     :data:`DIVERGED` after writing what it has when the run diverges.
     """
     given = fill_defaults(args)
-    checkpoint = None
-    if args.resume is not None:
-        args = resume_settings(args, given)
-        checkpoint, done, warning = pick_checkpoint(args.resume, resolve_device(args.device))
-        if args.epochs < done:
-            raise UsageError(
-                f"--epochs {args.epochs}: the run in {args.resume} has already done {done} "
-                f"epochs; pass --epochs {done} or more"
-            )
-    else:
-        args.out = Path("runs/train") if args.out is None else args.out
-        check_new_out(args.out, args.overwrite)
-        if args.level == "auto" and "dtype" in given:
-            raise UsageError(
-                f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by the "
-                "hardware; leave --dtype out, or name a level"
-            )
-        args.data = None if args.data is None else args.data.resolve()  # resumable anywhere
-    # Every input error surfaces here, before anything is written.
-    model, train, test, schedule = build_run(args, args.level)
+    checkpoint, lock, done, warning = None, None, 0, None
+    try:
+        if args.resume is not None:
+            if args.resume.is_dir() and is_main_process():  # before the folder is read
+                lock = RunLock(args.resume, "--resume").acquire()
+            args = resume_settings(args, given)
+            checkpoint, done, warning = pick_checkpoint(args.resume, resolve_device(args.device))
+            if args.epochs < done:
+                raise UsageError(
+                    f"--epochs {args.epochs}: the run in {args.resume} has already done {done} "
+                    f"epochs; pass --epochs {done} or more"
+                )
+            if (args.resume / "metrics.csv").is_file():
+                CSVLogger.read(args.resume / "metrics.csv")  # damaged: refused, by name
+        else:
+            args.out = Path("runs/train") if args.out is None else args.out
+            check_out_dir(args.out)
+            if is_main_process():  # before the folder is looked at: one run at a time
+                flag = "--overwrite" if args.overwrite else "--out"
+                lock = RunLock(args.out, flag).acquire()
+            check_new_out(args.out, args.overwrite)
+            if args.level == "auto" and "dtype" in given:
+                raise UsageError(
+                    f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by "
+                    "the hardware; leave --dtype out, or name a level"
+                )
+            args.data = None if args.data is None else args.data.resolve()  # resumable anywhere
+        # Every input error surfaces here, before anything is written.
+        model, train, test, schedule = build_run(args, args.level)
+        out = args.out
+        if checkpoint is None:
+            run_on_main(prepare_out, out, args.overwrite)
+    except BaseException:
+        if lock is not None:
+            lock.release(remove_created=checkpoint is None)
+        raise
+    try:
+        return _train(args, model, train, test, schedule, checkpoint, done, warning)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(args, model, train, test, schedule, checkpoint, done, warning) -> dict[str, Any]:  # noqa: ANN001
     out = args.out
-    if checkpoint is None:
-        run_on_main(prepare_out, out, args.overwrite)
-    else:
+    if checkpoint is not None:
+        # Half-written checkpoints of a process that died mid-save (the folder is ours:
+        # locked, and its checkpoints/ is no link).
+        for stale in (out / "checkpoints").glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
         print(f"mixprec train: resuming {out} from {checkpoint.name} (epoch {done})")
         if warning is not None:
             print(f"mixprec: warning: {warning}", file=sys.stderr)
@@ -333,13 +430,33 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
         _write_results(out, config, model, history, seconds, None, str(err), precision, float8)
         print(f"wrote metrics.json, loss.png, accuracy.png, loss_scale.png to {out} (diverged)")
         raise
+    except KeyboardInterrupt:
+        saved = ModelCheckpoint(out / "checkpoints").existing()
+        how = (
+            f"resume it from {saved[-1].name} with: mixprec train --resume {out}"
+            if saved
+            else f"no epoch had finished; start again with: mixprec train --out {out} --overwrite"
+        )
+        raise Interrupted(f"interrupted in {out}; {how}") from None
     seconds = time.perf_counter() - t0
     final = model.eval(test)
-    summary = _write_results(out, config, model, history, seconds, final, None, precision, float8)
+    failed = None
+    steps, skipped = len(history.losses), int(model.optimizer.skipped_steps)
+    try:  # a run that skipped (nearly) every step learned nothing: a failed run
+        scale = f" (loss scale {args.loss_scale}, {_name(model.dtype)})"
+        check_skipped(skipped, steps, args.max_skipped_fraction or 1.0, scale)
+    except DIVERGED as err:
+        failed = err
+    summary = _write_results(
+        out, config, model, history, seconds, final, None if failed is None else str(failed),
+        precision, float8,
+    )  # fmt: skip
     print(
         f"test accuracy: {final['accuracy']:.4f}  test loss: {final['loss']:.4f}  "
         f"skipped steps: {summary['skipped_steps']}/{summary['steps']}  "
         f"loss scale: {summary['final_loss_scale']:g}  ({seconds:.1f} s)"
     )
     print(f"wrote metrics.json, metrics.csv, loss.png, accuracy.png, loss_scale.png to {out}")
+    if failed is not None:
+        raise failed
     return summary

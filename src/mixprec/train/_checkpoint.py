@@ -20,8 +20,10 @@ would need any other object (a pickled class, a function call) is refused with
 truncated or garbled file is a :class:`CorruptCheckpointError`, so a caller can fall
 back to an older checkpoint (:func:`newest_readable`).
 
-Files are written to a temporary name, flushed to disk and then renamed, so a crash
-mid-save never leaves a half-written checkpoint under the real name.
+Files are written to a temporary name of this process, flushed to disk and then
+renamed (:func:`mixprec.train._atomic.atomic_write`), so a crash mid-save never leaves a
+half-written checkpoint under the real name, and a link there is replaced, never followed.
+A write that fails (no space left on device) raises its ``OSError`` naming the file.
 
 >>> import tempfile, torch
 >>> from mixprec.train.callbacks import RunState
@@ -45,7 +47,6 @@ mixprec.train._checkpoint.CorruptCheckpointError: .../epoch0001.pt: not a readab
 
 from __future__ import annotations
 
-import os
 import pickle
 import pickletools
 import re
@@ -58,6 +59,7 @@ from typing import Any
 
 import torch
 
+from mixprec.train._atomic import atomic_write
 from mixprec.train.callbacks import CallbackList, RunState
 
 __all__ = [
@@ -169,12 +171,38 @@ def save_checkpoint(
     }
     check_plain_data(payload)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())  # the rename below must never expose unwritten bytes
-    tmp.replace(path)
+    atomic_write(path, lambda f: _save_to(payload, f))
+
+
+class _Recording:
+    """A file for ``torch.save`` that remembers the ``OSError`` of a failed write: torch
+    reports it as ``RuntimeError: [enforce fail ...] unexpected pos``, naming nothing."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.error = file, None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except BaseException as err:  # OSError, or Ctrl-C arriving mid-write
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+
+def _save_to(payload: dict[str, Any], file: Any) -> None:
+    recording = _Recording(file)
+    try:
+        torch.save(payload, recording)
+    except BaseException:
+        if recording.error is not None:  # no space left, an I/O error, Ctrl-C: say that
+            raise recording.error from None
+        raise
 
 
 def _pickled_globals(path: Path) -> list[str] | None:
@@ -258,7 +286,64 @@ def read_checkpoint(path: str | Path, device: torch.device) -> dict[str, Any]:
             f"{path} is in format {found!r}; this version of mixprec reads {CHECKPOINT_FORMAT!r}: "
             "load it with the mixprec version that wrote it (see the README, 'Checkpoints')"
         )
+    _check_entries(path, payload)
     return payload
+
+
+#: The entries of a checkpoint and what each must be.
+_ENTRIES: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "amp_level": (str, "a level name"),
+    "dtype": (str, "a dtype name"),
+    "epoch": (int, "a whole number >= 0"),
+    "step": (int, "a whole number >= 0"),
+    "model": (dict, "a state_dict"),
+    "optimizer": (dict, "a state_dict"),
+    "callbacks": ((dict, type(None)), "a state_dict or None"),
+    "rng": (dict, "random states"),
+}
+
+
+def _check_entries(path: Path, payload: dict[str, Any]) -> None:
+    """A :class:`CorruptCheckpointError` for a missing or malformed entry (a file edited
+    by hand, or damaged inside a valid archive): nothing is loaded from it."""
+    for key, (kind, what) in _ENTRIES.items():
+        if key not in payload:
+            raise CorruptCheckpointError(
+                f"{path}: not a readable checkpoint (it has no {key!r} entry)"
+            )
+        value = payload[key]
+        bad = not isinstance(value, kind) or isinstance(value, bool)
+        if key in ("epoch", "step") and not bad:
+            bad = value < 0
+        if bad:
+            raise CorruptCheckpointError(
+                f"{path}: not a readable checkpoint ({key} is {str(value)[:40]!r}, expected {what})"
+            )
+    rng = payload["rng"]
+    if not isinstance(rng.get("torch"), torch.Tensor) or "cuda" not in rng or "loader" not in rng:
+        raise CorruptCheckpointError(f"{path}: not a readable checkpoint (damaged 'rng' entry)")
+
+
+def _check_fits(path: Path, network: torch.nn.Module, saved: dict[str, Any]) -> None:
+    """A :class:`CheckpointError` when the saved weights do not fit ``network``: another
+    model, or data with another number of features or classes. Checked before anything
+    is loaded, so the network is left as it was."""
+    own = network.state_dict()
+    missing = [k for k in own if k not in saved]
+    extra = [k for k in saved if k not in own]
+    for key, tensor in own.items():
+        value = saved.get(key)
+        if isinstance(value, torch.Tensor) and value.shape != tensor.shape:
+            raise CheckpointError(
+                f"{path} does not fit this model: {key} has shape {list(value.shape)} in the "
+                f"checkpoint and {list(tensor.shape)} here (another model, or data with "
+                "another number of features or classes)"
+            )
+    if missing or extra:
+        what = f"lacks {missing[0]}" if missing else f"has {extra[0]}, which this model has not"
+        raise CheckpointError(
+            f"{path} does not fit this model: the checkpoint {what} (another model?)"
+        )
 
 
 def newest_readable(
@@ -307,8 +392,16 @@ def load_checkpoint(
             f"dtype={payload['dtype']}; this Model uses amp_level={amp_level!r}, "
             f"dtype={dtype}: build the Model the same way to resume"
         )
+    path = Path(path)
+    _check_fits(path, network, payload["model"])
     network.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+    try:
+        optimizer.load_state_dict(payload["optimizer"])
+    except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as err:
+        detail = " ".join(str(err).split())[:120]
+        raise CheckpointError(
+            f"{path} does not fit this model's optimizer ({type(err).__name__}: {detail})"
+        ) from None
     if payload["callbacks"] is not None and callbacks is not None:
         callbacks.load_state_dict(payload["callbacks"])
     rng = payload["rng"]

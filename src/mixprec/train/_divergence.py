@@ -38,7 +38,13 @@ from mixprec._checks import check_instance, check_number
 from mixprec.numerics import any_nonfinite
 from mixprec.train.callbacks import RunState
 
-__all__ = ["DivergenceError", "DivergenceGuard", "resolve_guard"]
+__all__ = [
+    "DivergenceError",
+    "SkippedStepsError",
+    "DivergenceGuard",
+    "check_skipped",
+    "resolve_guard",
+]
 
 _ADVICE = (
     "try a lower learning rate, gradient clipping, bfloat16 instead of float16, or a "
@@ -52,6 +58,34 @@ class DivergenceError(RuntimeError):
 
 
 DivergenceError.__module__ = __name__
+
+
+class SkippedStepsError(DivergenceError):
+    """Every step of a run (or at least the fraction a caller allows) was skipped for
+    inf/NaN gradients: the run learned nothing, however it ended."""
+
+
+SkippedStepsError.__module__ = __name__
+
+
+def check_skipped(skipped: int, steps: int, max_fraction: float = 1.0, why: str = "") -> None:
+    """Raise :class:`SkippedStepsError` when ``skipped`` of ``steps`` reaches
+    ``max_fraction`` (default 1: every step skipped).
+
+    >>> check_skipped(3, 90)
+    >>> check_skipped(90, 90)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    mixprec.train._divergence.SkippedStepsError: 90 of 90 steps were skipped ...
+    """
+    if steps <= 0 or skipped < max_fraction * steps:
+        return
+    limit = "" if max_fraction >= 1 else f" (the limit is {max_fraction:g} of them)"
+    raise SkippedStepsError(
+        f"{skipped} of {steps} steps were skipped for inf/NaN gradients{limit}, so the run "
+        f"learned nothing{why}; use --loss-scale dynamic or a lower static scale, bfloat16 "
+        "instead of float16, or check the data"
+    )
 
 
 def _optimizer_tensors(optimizer: Any) -> list[torch.Tensor]:

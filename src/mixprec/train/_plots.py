@@ -35,9 +35,17 @@ def _pyplot():
 
 
 def _save(fig, path: str | Path, data: Mapping) -> None:
+    from mixprec.train._atomic import atomic_write
+
     fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={DATA_KEY: json.dumps(data)})
-    _pyplot().close(fig)
+    try:  # whole or not at all, and never through a link in the file's place
+        atomic_write(
+            path,
+            lambda f: fig.savefig(f, format="png", dpi=100, metadata={DATA_KEY: json.dumps(data)}),
+            fsync=False,
+        )
+    finally:
+        _pyplot().close(fig)
 
 
 def read_plot_data(path: str | Path) -> dict:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any
 
 from mixprec._checks import check_instance
+from mixprec.train._atomic import append_text, atomic_write
 from mixprec.train.callbacks._base import Callback, RunState
 
 __all__ = ["History", "CSVLogger"]
@@ -113,21 +115,50 @@ class CSVLogger(Callback):
         self._fields = list(self.BASE_COLUMNS)
         self._rows = []
         if self.append and self.path.is_file():
-            with self.path.open(newline="") as f:
-                reader = csv.DictReader(f)
-                for name in reader.fieldnames or ():
-                    if name not in self._fields:
-                        self._fields.append(name)
-                # Rows past the resume point belong to the abandoned part of the old run.
-                self._rows = [r for r in reader if int(r["epoch"]) <= state.epoch]
+            fields, rows = self.read(self.path)
+            self._fields.extend(name for name in fields if name not in self._fields)
+            # Rows past the resume point belong to the abandoned part of the old run.
+            self._rows = [r for r in rows if int(r["epoch"]) <= state.epoch]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._rewrite()
 
+    @staticmethod
+    def read(path: str | Path) -> tuple[list[str], list[dict[str, str]]]:
+        """The columns and rows of a log this class wrote; a ``ValueError`` naming the
+        file and the line when it is damaged (not text, no ``epoch`` column, an epoch
+        that is not a whole number), before anything is changed."""
+        path = Path(path)
+        try:
+            with path.open(newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                fields = list(reader.fieldnames or ())
+                if "epoch" not in fields:
+                    raise ValueError("line 1: no 'epoch' column")
+                rows = list(reader)
+        except UnicodeDecodeError as err:
+            raise ValueError(
+                f"{path} is damaged (not text: byte {err.start}); repair or delete it"
+            ) from None
+        except (csv.Error, ValueError) as err:
+            raise ValueError(f"{path} is damaged ({err}); repair or delete it") from None
+        for line, row in enumerate(rows, 2):
+            text = row.get("epoch")
+            if text is None or not text.strip().isdigit():
+                raise ValueError(
+                    f"{path} is damaged (line {line}: epoch {text!r} is not a whole number); "
+                    "repair or delete it"
+                )
+        return fields, rows
+
     def _rewrite(self) -> None:
-        with self.path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self._fields, restval="")
+        def write(f: Any) -> None:
+            text = io.StringIO(newline="")
+            writer = csv.DictWriter(text, fieldnames=self._fields, restval="")
             writer.writeheader()
             writer.writerows(self._rows)
+            f.write(text.getvalue().encode("utf-8"))
+
+        atomic_write(self.path, write, fsync=False)
 
     def on_epoch_end(self, state: RunState) -> None:
         """Add this epoch's row."""
@@ -146,5 +177,6 @@ class CSVLogger(Callback):
             self._fields.extend(new)
             self._rewrite()
             return
-        with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=self._fields, restval="").writerow(row)
+        text = io.StringIO(newline="")
+        csv.DictWriter(text, fieldnames=self._fields, restval="").writerow(row)
+        append_text(self.path, text.getvalue())

@@ -6,7 +6,8 @@ message for a missing file, a malformed file or invalid labels.
 
 CSV layout: one sample per line, comma-separated numbers. If the first line has a
 field that is not a number, it is a header; the label column is then the one named
-``label`` (any case), or the last column when no column has that name. Without a
+``label`` (any case), or the last column when no column has that name. A first line of
+column numbers (``0,1,...,n-1`` or ``1,...,n``) is read as a header too, with a warning. Without a
 header the last column is the label. Every other column is a feature.
 
 >>> import os, tempfile
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import os
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -117,6 +119,19 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _column_numbers(row: list[str]) -> bool:
+    """A first row ``0,1,...,n-1`` or ``1,2,...,n`` (n >= 3): column numbers, as pandas
+    writes them, not a sample (its label would be the largest number in the file)."""
+    try:
+        values = [float(field) for field in row]
+    except ValueError:
+        return False
+    start = values[0] if values else -1
+    return (
+        len(values) >= 3 and start in (0, 1) and values == [start + i for i in range(len(values))]
+    )
+
+
 def load_csv(
     path: str | os.PathLike[str], *, num_classes: int | None = None, delimiter: str = ","
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,7 +156,15 @@ def load_csv(
         raise DataError(f"{source}: the file is empty; it needs one sample per line")
     header: list[str] | None = None
     _, first = rows[0]
-    if not all(_is_number(field) for field in first):
+    numbered = _column_numbers(first) and len(rows) > 1
+    if numbered:
+        warnings.warn(
+            f"{source}: line 1 ({','.join(f.strip() for f in first[:3])},...,{first[-1].strip()}) "
+            "numbers the columns; it is read as a header, not as a sample",
+            UserWarning,
+            stacklevel=2,
+        )
+    if numbered or not all(_is_number(field) for field in first):
         header = [field.strip() for field in first]
         rows = rows[1:]
         if not rows:

@@ -89,7 +89,7 @@ def check_arrays(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate features and labels and return them as float32 / int64 tensors.
 
-    ``x`` has shape ``(N, ...)`` with finite numbers; ``y`` holds ``N`` class indices
+    ``x`` has shape ``(N, ...)`` with numbers finite in float32 (the dtype returned); ``y`` holds ``N`` class indices
     (integers, or floats with integral values) or ``N`` one-hot rows. Labels must be
     ``>= 0`` and, when ``num_classes`` is given, ``< num_classes``; without it, they may
     imply at most ``max(1000, 2 * N)`` classes. Raises :class:`DataError` naming
@@ -119,6 +119,17 @@ def check_arrays(
             f"{source}: features x contain NaN or infinity (first at sample {bad}); "
             "remove or impute those values"
         )
+    if x_np.dtype.kind == "f" and x_np.dtype.itemsize > 4:
+        # Checked in float32, the dtype the features are trained in: 1e39 is finite in
+        # float64 and infinite in float32, so every batch holding it would be skipped.
+        too_big = np.abs(x_np) > np.finfo(np.float32).max
+        if too_big.any():
+            where = tuple(np.argwhere(too_big)[0])
+            raise DataError(
+                f"{source}: features x hold {float(x_np[where]):g} (first at sample "
+                f"{where[0]}), beyond float32's range ({float(np.finfo(np.float32).max):g}), "
+                "the dtype training uses; rescale the features (e.g. standardise them)"
+            )
     if y_np.dtype.kind not in "biuf":
         raise DataError(
             f"{source}: labels y must be integer class indices, got dtype {y_np.dtype}; "
