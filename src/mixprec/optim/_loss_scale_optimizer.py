@@ -511,14 +511,20 @@ class LossScaleOptimizer(OptimizerWrapper):
             opt.scale_loss(loss).backward()
             opt.unscale_(); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step()
 
-        Under ``master_weights=True`` the unscaled gradients are the float32 masters'
-        (``opt.param_groups``): clip those, or use ``global_clipnorm=``. Once per step.
+        Under master weights (``"fp32"``, ``"split"``) the model's parameters show their
+        float32 masters until :meth:`step` (or :meth:`zero_grad`): ``p.data`` and
+        ``p.grad`` are the master's, so clipping ``model.parameters()`` or reading
+        ``p.grad`` in a hook acts on exactly the unscaled gradients that are stepped;
+        the step gives the parameters their low-precision storage back, with the
+        unscaled (clipped) gradients in ``.grad``. Once per step.
         """
         if self._unscaled_found_inf is not None:
             raise RuntimeError(
                 "unscale_() has already been called since the last step(); call it once per step"
             )
         self._unscaled_found_inf = self._unscale(self._stepped_params(), False)
+        if isinstance(self._master, MasterWeights):
+            self._master.show_masters_in_model()
         return self._unscaled_found_inf
 
     def _unscale(self, params: list[torch.Tensor], unscaled: bool) -> torch.Tensor:
@@ -540,6 +546,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         found_inf, self._unscaled_found_inf = self._unscaled_found_inf, None
         if found_inf is None:
             found_inf = self._unscale(params, unscaled)
+        elif isinstance(self._master, MasterWeights):  # unscale_() showed the masters
+            self._master.restore_model()  # the gradients as the user left them
         if self._accumulator is not None:
             found_inf = self._accumulator.window(params, found_inf)
         # All ranks' verdict, before anything is applied (None: the window is not full).

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from mixprec._checks import LOW_PRECISION, check_choice
-from mixprec.numerics import is_dtensor, local_shards
+from mixprec.numerics import is_dtensor, is_flat_shard, local_shards
 from mixprec.optim._lean import LeanUpdates, stochastic_round
 
 __all__ = [
@@ -108,6 +108,9 @@ class MasterWeights:
             group["params"] = masters
         self._low = [(p, m) for p, m in zip(self.model_params, self.masters) if p is not m]
         self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._versions: dict[int, int] = {}  # the model parameters' versions we wrote
+        self._shown: list[tuple[torch.Tensor, torch.Tensor, Any, Any]] = []
+        self._mark_model_current()
 
     def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """Replace a new group's low-precision params by masters; return the new group."""
@@ -122,7 +125,82 @@ class MasterWeights:
                 self._low.append((p, master))
                 self._groups = None
             masters.append(master)
+        self._mark_model_current()
         return {**group, "params": masters}
+
+    # -- the model is the truth ----------------------------------------------------------
+    # Users read and write the model's parameters, not the masters: they load weights
+    # into it, edit it in place, clip its gradients and log them from hooks. Two
+    # mechanisms keep the masters faithful to that without copying anything on a
+    # normal step:
+    # * parameter version counters (bumped by every in-place write, load_state_dict's
+    #   copy_ included): a model parameter written since the masters were copied into it
+    #   hands its new values to its master before the next step;
+    # * between unscale_() and the step, each model parameter shows its master
+    #   (``p.data`` and ``p.grad`` become the float32 master's), so torch's clipping
+    #   recipe, hooks and loggers see and edit exactly the unscaled gradients that are
+    #   stepped. The step (or zero_grad) gives the parameters their storage back.
+
+    def _mark_model_current(self) -> None:
+        self._versions = {id(p): p._version for p, _ in self._low}
+
+    def adopt_model_edits(self) -> None:
+        """Masters of model parameters written since the last copy take the new values.
+
+        Elements whose low-precision value still equals the rounded master keep the
+        master's extra bits, so re-loading the model's own checkpoint changes nothing.
+        """
+        changed = [(p, m) for p, m in self._low if p._version != self._versions.get(id(p))]
+        if not changed:
+            return
+        with torch.no_grad():
+            for p, m in changed:
+                for weight, master in zip(local_shards([p]), local_shards([m])):
+                    master.copy_(torch.where(weight == master.to(weight.dtype), master, weight))
+        self._mark_model_current()
+
+    def show_masters_in_model(self) -> None:
+        """Until :meth:`restore_model`: each model parameter shows its float32 master and
+        the master's (unscaled) gradient, so edits of ``p.grad`` are edits of the step's.
+
+        Sharded parameters (DTensors, FSDP1 flat shards) cannot change dtype: they get
+        the unscaled gradients written into their own ``.grad``; edits made there are
+        taken back (at their precision) by :meth:`restore_model`.
+        """
+        with torch.no_grad():
+            for p, m in self._low:
+                grad = p.grad
+                if is_dtensor(p) or is_flat_shard(p):
+                    if grad is not None and m.grad is not None:
+                        torch._foreach_copy_(local_shards([grad]), local_shards([m.grad]))
+                        self._shown.append((p, m, None, (grad, grad._version)))
+                    continue
+                self._shown.append((p, m, p.data, grad))
+                p.grad = None
+                p.data = m.data
+                p.grad = m.grad
+
+    def restore_model(self) -> None:
+        """Give the model parameters shown by :meth:`show_masters_in_model` their own
+        storage back; their ``.grad`` holds the unscaled (possibly edited) gradient, and
+        the masters step with the edited gradients."""
+        shown, self._shown = self._shown, []
+        with torch.no_grad():
+            for p, m, data, grad in shown:
+                if data is None:  # sharded: take edits of the written gradient back
+                    written, version = grad
+                    if written is None or p.grad is not written or written._version != version:
+                        m.grad = None if p.grad is None else p.grad.to(torch.float32)
+                    continue
+                m.grad = p.grad  # the user may have dropped or replaced it
+                p.grad = None
+                p.data = data
+                if grad is not None and m.grad is not None and grad.shape == m.grad.shape:
+                    grad.copy_(m.grad)
+                    p.grad = grad
+                elif m.grad is not None:
+                    p.grad = m.grad.to(data.dtype)
+        self._mark_model_current()
 
     def _grouped(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """(model params, masters) lists per (device, dtype), for fused copies."""
@@ -141,7 +219,10 @@ class MasterWeights:
         Masters whose gradient was dropped (``zero_grad(set_to_none=True)``) get views
         of one new float32 buffer per group: one allocation and one fused copy a step,
         not one cast kernel per parameter (DTensors, sharded, get their own casts).
+        Model parameters written since the last step first hand their values to their
+        masters (:meth:`adopt_model_edits`).
         """
+        self.adopt_model_edits()
         with torch.no_grad():
             for models, masters in self._grouped():
                 src, dst, missing = [], [], []
@@ -167,12 +248,15 @@ class MasterWeights:
 
     def masters_to_model(self) -> None:
         """Copy the masters back into the model's low-precision parameters (fused)."""
+        self.restore_model()
         with torch.no_grad():
             for models, masters in self._grouped():
                 torch._foreach_copy_(local_shards(models), local_shards(masters))
+        self._mark_model_current()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model parameters' gradients (the masters' are overwritten each step)."""
+        self.restore_model()
         for p in self.model_params:
             if p.grad is None:
                 continue
@@ -182,6 +266,7 @@ class MasterWeights:
                 p.grad.detach_().requires_grad_(False).zero_()
 
     def state_dict(self) -> dict[str, Any]:
+        self.adopt_model_edits()
         return {"masters": [m.detach().clone() for _, m in self._low]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
