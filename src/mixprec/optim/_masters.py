@@ -109,7 +109,10 @@ class MasterWeights:
         self._low = [(p, m) for p, m in zip(self.model_params, self.masters) if p is not m]
         self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
         self._versions: dict[int, int] = {}  # the model parameters' versions we wrote
-        self._shown: list[tuple[torch.Tensor, torch.Tensor, Any, Any]] = []
+        # Shown by unscale_(): (param, master, its own data, its own grad) ...
+        self._shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]] = []
+        # ... and sharded ones: (param, master, the gradient written, its version).
+        self._written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         self._mark_model_current()
 
     def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
@@ -173,7 +176,7 @@ class MasterWeights:
                 if is_dtensor(p) or is_flat_shard(p):
                     if grad is not None and m.grad is not None:
                         torch._foreach_copy_(local_shards([grad]), local_shards([m.grad]))
-                        self._shown.append((p, m, None, (grad, grad._version)))
+                        self._written.append((p, m, grad, grad._version))
                     continue
                 self._shown.append((p, m, p.data, grad))
                 p.grad = None
@@ -185,13 +188,12 @@ class MasterWeights:
         storage back; their ``.grad`` holds the unscaled (possibly edited) gradient, and
         the masters step with the edited gradients."""
         shown, self._shown = self._shown, []
+        written, self._written = self._written, []
         with torch.no_grad():
+            for p, m, grad, version in written:  # sharded: take edits of the gradient back
+                if p.grad is not grad or grad._version != version:
+                    m.grad = None if p.grad is None else p.grad.to(torch.float32)
             for p, m, data, grad in shown:
-                if data is None:  # sharded: take edits of the written gradient back
-                    written, version = grad
-                    if written is None or p.grad is not written or written._version != version:
-                        m.grad = None if p.grad is None else p.grad.to(torch.float32)
-                    continue
                 m.grad = p.grad  # the user may have dropped or replaced it
                 p.grad = None
                 p.data = data
