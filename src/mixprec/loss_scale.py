@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec._checks import check_number
-from mixprec.numerics import unscale_and_check_
+from mixprec.numerics import any_nonfinite, unscale_and_check_
 
 if TYPE_CHECKING:
     from mixprec.typing import LossScaleSpec, ModelLevel
@@ -319,7 +319,16 @@ class LossScale:
         present = [g for g in grads if g is not None]
         if present:
             self._follow(present[0].device)
+        if extra_factor == 1.0 and self.fixed_at_one:
+            # Dividing by 1 changes nothing: read the gradients once for the finite
+            # check instead of reading and writing them all (bfloat16 without scaling).
+            return any_nonfinite(present, self.device)
         return unscale_and_check_(present, self.inv_scale(extra_factor, scale))
+
+    @property
+    def fixed_at_one(self) -> bool:
+        """Whether the scale is 1 now and always (no unscale pass is needed)."""
+        return False
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Advance the state machine by one step (no-op for fixed scales)."""
@@ -340,6 +349,10 @@ class NoOpLossScale(LossScale):
     """
 
     kind: ClassVar[str] = "none"
+
+    @property
+    def fixed_at_one(self) -> bool:
+        return True
 
     @property
     def needs_scaled_loss(self) -> bool:

@@ -1,0 +1,59 @@
+"""What the unscale pass costs: nothing is written when the scale is 1 for good."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec.loss_scale import DynamicLossScale, NoOpLossScale
+from mixprec.optim import LossScaleOptimizer
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _params():
+    torch.manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(4, 4, dtype=torch.bfloat16)) for _ in range(3)]
+
+
+def test_no_scaling_reads_the_gradients_without_writing_them():
+    params = _params()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    versions = [p.grad._version for p in params]
+    with _Ops() as ops:
+        found_inf = NoOpLossScale().unscale_([p.grad for p in params])
+    assert float(found_inf) == 0.0
+    assert [p.grad._version for p in params] == versions  # nothing written
+    assert not any("unscale" in n or n.startswith("_foreach_mul") for n in ops.names)
+
+
+def test_a_dynamic_scale_still_unscales():
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p) * 8
+    found_inf = DynamicLossScale(initial_scale=8.0).unscale_([p.grad for p in params])
+    assert float(found_inf) == 0.0 and all(torch.equal(p.grad, torch.ones_like(p)) for p in params)
+
+
+def test_no_scaling_still_skips_a_nonfinite_step():
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    opt = LossScaleOptimizer(torch.optim.SGD(params, lr=0.1), None)
+    loss = sum((p.float() ** 2).sum() for p in params) * float("nan")
+    opt.scale_loss(loss).backward()
+    opt.step()
+    assert int(opt.skipped_steps) == 1
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    opt.zero_grad()
+    opt.scale_loss(sum((p.float() ** 2).sum() for p in params)).backward()
+    opt.step()
+    assert int(opt.iterations) == 1 and not torch.equal(params[0], before[0])
