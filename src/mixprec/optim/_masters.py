@@ -363,30 +363,52 @@ class SplitMasterWeights(MasterWeights):
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.check(optimizer)
         super().__init__(optimizer)
-        self._split: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per (device, dtype) group of _grouped(): the low halves and ties of all its
+        # masters, flat, so a step rebuilds and splits them in a few kernels, not a few
+        # per parameter; and, while the masters live, the flat buffer they view.
+        self._halves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._live: list[torch.Tensor] | None = None
         self._release()
 
     def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        self._rebuild()
         group = super().add_param_group(group)
+        self._live = None  # the new masters are not in the flat buffers yet
         self._release()
         return group
 
     def _rebuild(self) -> None:
         """Materialise the float32 masters from the weights and their low halves."""
+        if self._halves is None:
+            return
+        halves, self._halves = self._halves, None
         with torch.no_grad():
-            for p, m in self._low:
-                if id(m) in self._split:
-                    low, ties = self._split.pop(id(m))
-                    m.data = join_bits(p.detach(), low, ties)
+            self._live = []
+            for (models, masters), (low, ties) in zip(self._grouped(), halves):
+                weights = torch.cat([p.detach().reshape(-1) for p in models])
+                flat = join_bits(weights, low, ties)
+                for m, p, view in zip(masters, models, flat.split([p.numel() for p in models])):
+                    m.data = view.view(p.shape)
+                self._live.append(flat)
 
     def _release(self) -> None:
         """Split the live masters into low halves and free their float32 storage."""
+        if self._halves is not None:
+            return
         with torch.no_grad():
-            for p, m in self._low:
-                if id(m) not in self._split:
-                    self._split[id(m)] = split_bits(m.detach(), p.detach())
+            halves = []
+            for i, (models, masters) in enumerate(self._grouped()):
+                flat = (
+                    self._live[i]
+                    if self._live is not None
+                    else torch.cat([m.detach().reshape(-1) for m in masters])
+                )
+                # The weights are the masters rounded to nearest, as masters_to_model wrote.
+                halves.append(split_bits(flat, flat.to(models[0].dtype)))
+                for m in masters:
                     m.data = torch.empty(0, dtype=torch.float32, device=m.device)
                     m.grad = None
+            self._halves, self._live = halves, None
 
     def grads_to_masters(self) -> None:
         self._rebuild()
@@ -398,11 +420,15 @@ class SplitMasterWeights(MasterWeights):
         self._release()
 
     def state_dict(self) -> dict[str, Any]:
-        masters = []
-        for p, m in self._low:
-            split = self._split.get(id(m))
-            masters.append(m.detach().clone() if split is None else join_bits(p.detach(), *split))
-        return {"mode": self.mode, "masters": masters}
+        if self._halves is None:  # the masters are live
+            return {"mode": self.mode, "masters": [m.detach().clone() for _, m in self._low]}
+        joined: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for (models, masters), (low, ties) in zip(self._grouped(), self._halves):
+                flat = join_bits(torch.cat([p.detach().reshape(-1) for p in models]), low, ties)
+                views = flat.split([p.numel() for p in models])
+                joined.update({id(m): v.view(p.shape) for m, p, v in zip(masters, models, views)})
+        return {"mode": self.mode, "masters": [joined[id(m)] for _, m in self._low]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load exact masters: this mode's checkpoints or ``"fp32"``'s, interchangeably."""
