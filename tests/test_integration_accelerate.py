@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytest.importorskip("accelerate", reason="needs the [hf] extra: pip install 'mixprec[hf]'")
+pytest.importorskip("accelerate", reason="needs the [hf] extra: pip install -e '.[hf]'")
 
 from accelerate import Accelerator  # noqa: E402
 
@@ -163,5 +163,5 @@ def test_a_scaler_checkpoint_of_another_kind_changes_nothing():
 def test_a_missing_accelerate_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "accelerate", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "mixprec.integrations.accelerate")
-    with pytest.raises(ImportError, match=r'pip install "mixprec\[hf\]"'):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[hf\]"'):
         importlib.import_module("mixprec.integrations.accelerate")

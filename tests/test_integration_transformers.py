@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-pytest.importorskip("transformers", reason="needs the [hf] extra: pip install 'mixprec[hf]'")
+pytest.importorskip("transformers", reason="needs the [hf] extra: pip install -e '.[hf]'")
 
 from transformers import TrainingArguments, get_linear_schedule_with_warmup  # noqa: E402
 
@@ -180,5 +180,5 @@ def test_a_loss_scale_optimizer_passed_in_is_refused(tmp_path):
 def test_a_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "mixprec.integrations.transformers")
-    with pytest.raises(ImportError, match=r'pip install "mixprec\[hf\]"'):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[hf\]"'):
         importlib.import_module("mixprec.integrations.transformers")

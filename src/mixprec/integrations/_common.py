@@ -7,7 +7,7 @@
 >>> require("no_such_library_here", "lightning", "mixprec.integrations.lightning")
 Traceback (most recent call last):
 ...
-ImportError: mixprec.integrations.lightning needs the 'no_such_library_here' package, which is not installed: pip install "mixprec[lightning]"
+ImportError: mixprec.integrations.lightning needs the 'no_such_library_here' package, which is not installed: pip install "lightning>=2.6.6,<2.7" (from a mixprec checkout: pip install -e ".[lightning]")
 """
 
 from __future__ import annotations
@@ -24,15 +24,23 @@ from mixprec.loss_scale import LossScale, default_loss_scale, loss_scale_from_sp
 
 __all__ = ["require", "check_level", "level_loss_scale"]
 
+#: The optional extras of pyproject.toml and the pinned requirements each installs: the
+#: install hint names them, so it works whether mixprec came from a checkout or not.
+EXTRAS = {
+    "lightning": ('"lightning>=2.6.6,<2.7"',),
+    "hf": ('"transformers>=5.23,<5.24"', '"accelerate>=1.15,<1.16"'),
+}
+
 
 def require(module: str, extra: str, user: str) -> ModuleType:
-    """Import ``module``; if it is missing, ``ImportError`` naming the extra that installs it."""
+    """Import ``module``; if it is missing, ``ImportError`` naming the command that installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as err:
         raise ImportError(
             f"{user} needs the {module!r} package, which is not installed: "
-            f'pip install "mixprec[{extra}]"'
+            f"pip install {' '.join(EXTRAS[extra])} "
+            f'(from a mixprec checkout: pip install -e ".[{extra}]")'
         ) from err
 
 
