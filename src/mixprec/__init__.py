@@ -5,7 +5,7 @@ fp32 master weights, precision policies and amp levels O0-O3, a graph rewrite
 with op lists, and a ``Model.train`` front end. The layers, bottom up:
 
 * core - :mod:`mixprec.loss_scale`, :mod:`mixprec.policy`, :mod:`mixprec.numerics`,
-  :mod:`mixprec.dtypes`;
+  :mod:`mixprec.typing`;
 * :mod:`mixprec.optim` - :class:`LossScaleOptimizer` and its parts;
 * :mod:`mixprec.amp` (module levels and policies) and :mod:`mixprec.rewrite` (fx graph
   rewrite): how a model gets low precision;
@@ -18,7 +18,7 @@ with op lists, and a ``Model.train`` front end. The layers, bottom up:
 * :mod:`mixprec.tools` - host-sync counting, memory readings, local multi-rank runs.
 
 ``import mixprec`` is cheap: each name below is imported on first use.
-See the README for a tour.
+The README starts with the common case; the guides in ``docs/`` cover each layer.
 """
 
 from __future__ import annotations
