@@ -1,9 +1,10 @@
 """Float8 training: linear layers whose matmuls run in float8 with per-tensor scaling.
 
 The parts: :mod:`~mixprec.float8._scaling` (the scaling recipes, state machines in
-buffers), :mod:`~mixprec.float8._linear` (:class:`Float8Linear`),
-:mod:`~mixprec.float8._convert` (:func:`convert_to_float8` and its report) and
-:mod:`~mixprec.float8._stats` (per-layer amax and saturation). Activations and
+buffers), :mod:`~mixprec.float8._linear` (:class:`Float8Linear`, and
+:class:`Float8Conv1D` for Hugging Face's ``Conv1D``), :mod:`~mixprec.float8._convert`
+(:func:`convert_to_float8` and its report, :func:`convert_from_float8` back to the plain
+architecture) and :mod:`~mixprec.float8._stats` (per-layer amax and saturation). Activations and
 weights are cast to float8_e4m3fn, output gradients to float8_e5m2; all three
 matmuls of a linear layer run through ``torch._scaled_mm``.
 
@@ -20,8 +21,13 @@ matmuls of a linear layer run through ``torch._scaled_mm``.
 ['amax_grad', 'amax_input', 'amax_weight', 'overflows_grad']
 """
 
-from mixprec.float8._convert import Float8Decision, Float8Report, convert_to_float8
-from mixprec.float8._linear import Float8Linear
+from mixprec.float8._convert import (
+    Float8Decision,
+    Float8Report,
+    convert_from_float8,
+    convert_to_float8,
+)
+from mixprec.float8._linear import Float8Conv1D, Float8Layer, Float8Linear
 from mixprec.float8._scaling import (
     DelayedScaling,
     DynamicScaling,
@@ -33,9 +39,12 @@ from mixprec.float8._stats import float8_stats, read_float8_stats
 
 __all__ = [
     "convert_to_float8",
+    "convert_from_float8",
     "Float8Report",
     "Float8Decision",
+    "Float8Layer",
     "Float8Linear",
+    "Float8Conv1D",
     "Float8Scaling",
     "DynamicScaling",
     "DelayedScaling",

@@ -3,6 +3,7 @@
 :func:`float8_stats` gathers the tensors (no host sync, cheap to call every step);
 :func:`read_float8_stats` reads them all to floats in one transfer, for logging.
 
+>>> from mixprec.float8 import Float8Linear
 >>> model = nn.Sequential(Float8Linear(16, 16, recipe="delayed"))
 >>> model(torch.ones(2, 16)).sum().backward()
 >>> stats = read_float8_stats(model)
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from mixprec._checks import check_instance
-from mixprec.float8._linear import Float8Linear
+from mixprec.float8._linear import Float8Layer
 
 __all__ = ["float8_stats", "read_float8_stats", "STAT_NAMES", "TENSORS"]
 
@@ -32,7 +33,7 @@ STAT_NAMES = tuple(
 
 
 def float8_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
-    """``{layer name: {statistic: 0-d tensor}}`` for every :class:`Float8Linear` in ``model``.
+    """``{layer name: {statistic: 0-d tensor}}`` for every float8 layer in ``model``.
 
     Statistics, for ``input``, ``weight`` and ``grad`` (the output gradient):
     ``amax_*`` (largest magnitude in the last cast; inf/nan if it overflowed),
@@ -43,7 +44,7 @@ def float8_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     check_instance("model", model, nn.Module, "an nn.Module")
     stats = {}
     for name, module in model.named_modules():
-        if not isinstance(module, Float8Linear):
+        if not isinstance(module, Float8Layer):
             continue
         layer = {}
         for tensor, attribute in _SCALINGS.items():

@@ -10,10 +10,16 @@ cast inside the graph.
 
 Modules, one concept each: ``defaults`` (the default op lists and their reasons),
 ``lists`` (op naming, ``AmpLists``, levels, environment overrides), ``nodes``
-(reading graph nodes), ``capture`` (torch.export / symbolic_trace), ``modes``
-(train/eval in the graph), ``paint`` (the painting algorithm), ``plan`` (where
-casts go), ``casts`` (inserting and simplifying them), ``explain`` (reports, cast
-counting), ``lazy`` (capture on the first call), ``api`` (entry points).
+(reading graph nodes), ``capture`` (torch.export / symbolic_trace, and why a capture
+failed), ``outputs`` (outputs a graph cannot return, such as a Hugging Face cache:
+taken apart for capture, rebuilt on every call), ``modes`` (train/eval in the graph),
+``paint`` (the painting algorithm), ``plan`` (where casts go), ``casts`` (inserting
+and simplifying them), ``explain`` (reports, cast counting), ``lazy`` (capture on the
+first call), ``api`` (entry points).
+
+Recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their cells) are on the
+Allow list, as in the classic lists; a default Hugging Face model (``use_cache=True``,
+whose output holds a ``DynamicCache``) is captured whole.
 
 >>> import torch
 >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))

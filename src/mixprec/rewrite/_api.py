@@ -24,6 +24,7 @@ from mixprec.rewrite._capture import capture
 from mixprec.rewrite._casts import apply_plan
 from mixprec.rewrite._lazy import DEFAULT_MAX_CAPTURES, LazyRewrite
 from mixprec.rewrite._lists import AmpLists, check_level
+from mixprec.rewrite._outputs import attach_output_structure
 from mixprec.rewrite._paint import paint
 from mixprec.rewrite._plan import minimize_casts
 
@@ -79,6 +80,8 @@ def _rewrite_graph(
     painting = paint(gm.graph, lists, low, level, root=gm)
     plan, saved = minimize_casts(painting, keep_output_dtype)
     apply_plan(gm, painting, plan, saved)
+    if captured.structure is not None:  # rebuilt after the casts: its tensors are the outputs
+        attach_output_structure(gm, captured.structure)
     gm.meta["mixprec"] = {
         "dtype": str(low).replace("torch.", ""),
         "level": level,
@@ -117,6 +120,7 @@ def rewrite(
         painting = paint(gm.graph, lists, dtype, level) # allow / deny / infer / clear; paint.py
         plan = minimize_casts(painting)                # one cast per value and dtype; plan.py
         apply the plan: casts, bias adds, dtype arguments, cancelling casts  # casts.py
+        outputs export cannot return (cache objects, dataclasses) rebuilt at the end  # outputs.py
         mark model and gm as rewritten (a second rewrite is an error)
 
     The result holds the model's own float32 ``Parameter`` objects (the casts to
@@ -124,9 +128,13 @@ def rewrite(
     op), so gradients reach them and an optimizer built on ``model.parameters()``
     trains it. It accepts other batch sizes than the example's (the first
     dimension of every example tensor is dynamic), follows ``.train()`` /
-    ``.eval()`` for dropout, batch norm and attention dropout, and returns float32
-    outputs unless ``keep_output_dtype=True``. :func:`mixprec.rewrite.explain`
-    reports every decision.
+    ``.eval()`` for dropout (recurrent included), batch norm and attention dropout, and returns float32
+    outputs unless ``keep_output_dtype=True``. Outputs come back as
+    the model gives them: tensors in tuples, lists, dicts, ``ModelOutput`` objects,
+    dataclasses and plain objects such as a Hugging Face ``DynamicCache`` (rebuilt, fresh,
+    on every call). :func:`mixprec.rewrite.explain` reports every decision. A model
+    that cannot be captured raises :class:`~mixprec.rewrite.CaptureError` naming the
+    cause (data-dependent control flow, an output that cannot be rebuilt) and the fix.
 
     Args:
         model: a float32 ``nn.Module``.

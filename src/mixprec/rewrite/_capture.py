@@ -2,13 +2,16 @@
 
 Algorithm::
 
-    args = example_inputs as a tuple
+    args = example_inputs as a tuple (views copied: export would guard on their bases)
     model.train(training)                           # mode constants are tied later
     try:   gm = torch.export.export(model, args, dynamic batch dim, strict=False).module()
-           (not with float8 layers: each must stay one call, its backward is custom)
+           (not with float8 layers: each must stay one call, its backward is custom;
+            an output export cannot return, such as a Hugging Face cache object, is
+            taken apart into its tensors and a Structure that rebuilds it: outputs.py)
     except: try:   gm = symbolic_trace(model) (nn.Linear / nn.Conv* traced through,
                                                float8 layers kept as calls)
-            except: raise CaptureError(which construct failed in each, what to use instead)
+            except: raise CaptureError(where each failed, the cause (an output that cannot
+                    be rebuilt, data-dependent control flow, other) and its fix)
     restore every submodule's previous mode
     drop export's dtype assertions (the rewrite changes dtypes on purpose)
     tie dropout / batch-norm / attention-dropout constants to gm.training  (modes.py)
@@ -28,10 +31,14 @@ copies), so an optimizer built on ``model.parameters()`` trains it.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+import functools
 import os
 import traceback
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,6 +48,7 @@ from torch.utils import _pytree as pytree
 
 from mixprec.rewrite._modes import follow_training_mode
 from mixprec.rewrite._nodes import mutated_arg_names
+from mixprec.rewrite._outputs import OutputTypeError, Structure, flatten_output, needs_flattening
 
 __all__ = ["CaptureError", "Captured", "capture", "normalize_example_inputs"]
 
@@ -69,11 +77,17 @@ class _KeptWhole(Exception):
 
 @dataclasses.dataclass
 class Captured:
-    """A captured model: the graph module and the capture method that worked."""
+    """A captured model: the graph module and the capture method that worked.
+
+    ``structure`` is set when the model's output had to be taken apart (a cache
+    object, a dataclass): the graph then returns the output's tensors, and
+    :func:`mixprec.rewrite._outputs.attach_output_structure` puts it together again.
+    """
 
     module: fx.GraphModule
     method: str  # "export" or "symbolic_trace"
     export_error: str | None = None
+    structure: Structure | None = None
 
 
 def normalize_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
@@ -107,23 +121,82 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
-def _where(err: BaseException) -> str:
-    """The innermost frame of user code in ``err``'s traceback, plus the message."""
+def _location(err: BaseException) -> str | None:
+    """``in f() at file.py:12 `code``` for the innermost frame of user code in ``err``."""
     frames = [
         frame
         for frame in traceback.extract_tb(err.__traceback__)
         if not frame.filename.startswith((_TORCH_DIR, _OWN_DIR))
     ]
+    if not frames:
+        return None
+    frame = frames[-1]
+    code = f" `{frame.line.strip()}`" if frame.line else ""
+    return f"in {frame.name}() at {os.path.basename(frame.filename)}:{frame.lineno}{code}"
+
+
+def _where(err: BaseException) -> str:
+    """The innermost frame of user code in ``err``'s traceback, plus the message."""
     message = (str(err).strip().splitlines() or [type(err).__name__])[0]
     if len(message) > 300:
         message = message[:300] + "..."
-    if not frames:
-        return f"{type(err).__name__}: {message}"
-    frame = frames[-1]
-    code = f" `{frame.line.strip()}`" if frame.line else ""
+    location = _location(err)
     return (
-        f"in {frame.name}() at {os.path.basename(frame.filename)}:{frame.lineno}{code}: "
         f"{type(err).__name__}: {message}"
+        if location is None
+        else (f"{location}: {type(err).__name__}: {message}")
+    )
+
+
+def _chain(err: BaseException | None) -> Iterator[BaseException]:
+    """``err`` and the exceptions it was raised from or while handling."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+def _is_data_dependent(err: BaseException) -> bool:
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if isinstance(err, GuardOnDataDependentSymNode):
+        return True
+    text = str(err)
+    return (isinstance(err, fx.proxy.TraceError) and "control flow" in text) or (
+        "data-dependent" in text or "data dependent" in text
+    )
+
+
+_O1 = "use module-level mixed precision instead: mixprec.amp.initialize(model, level='O1')"
+
+
+def _capture_failure(model: nn.Module, export_err: BaseException, fx_err: BaseException) -> str:
+    """The capture error's message: both failures, the real cause and its fix."""
+    errors = [*_chain(export_err), *_chain(fx_err)]
+    output_error = next((e for e in errors if isinstance(e, OutputTypeError)), None)
+    shown_export = (
+        _where(export_err) if output_error is None else "OutputTypeError: see the cause below"
+    )
+    head = (
+        f"could not capture {type(model).__name__} as one graph.\n"
+        f"  torch.export failed {shown_export}\n"
+        f"  torch.fx.symbolic_trace failed {_where(fx_err)}\n"
+    )
+    if output_error is not None:
+        return head + f"Cause: {output_error}; or {_O1}."
+    flow = next((e for e in errors if _is_data_dependent(e)), None)
+    if flow is not None:
+        return head + (
+            f"Cause: data-dependent Python control flow {_location(flow) or ''}: "
+            "the forward branches on the values in a tensor, so no single graph computes "
+            "it for every input. Fix: express the branch with tensor ops (torch.where, "
+            f"torch.cond), or {_O1}."
+        )
+    return head + (
+        "Cause: the first error above (the graph rewrite needs the whole forward as one "
+        "graph). Fix: make the forward traceable by torch.export, or "
+        f"{_O1}."
     )
 
 
@@ -140,19 +213,51 @@ def _dynamic_batch(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def _is_float8_layer(module: nn.Module) -> bool:
     # Imported here: mixprec.float8 loads only when a model is captured, not with the package.
-    from mixprec.float8._linear import Float8Linear
+    from mixprec.float8._linear import Float8Layer
 
-    return isinstance(module, Float8Linear)
+    return isinstance(module, Float8Layer)
 
 
-def _export(model: nn.Module, args: tuple[Any, ...]) -> fx.GraphModule:
+# Hooks of the top module, run by the model's own call inside the shell (below).
+_CALL_HOOKS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks",
+)  # fmt: skip
+
+
+def _flattening_shell(model: nn.Module, found: list[Structure]) -> nn.Module:
+    """A module that shares ``model``'s parameters, buffers and submodules (so the graph's
+    names and module paths are the model's) and calls the model, returning its output
+    taken apart into tensors when ``torch.export`` could not return it as it is."""
+    shell = copy.copy(model)  # shares the dicts of parameters, buffers and submodules
+    for name in _CALL_HOOKS:
+        setattr(shell, name, collections.OrderedDict())
+
+    @functools.wraps(model.forward)  # the same signature: export names inputs by it
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        out = model(*args, **kwargs)
+        if not needs_flattening(out):
+            return out
+        leaves, structure = flatten_output(out)
+        found.append(structure)
+        return tuple(leaves)
+
+    shell.forward = forward
+    return shell
+
+
+def _export(model: nn.Module, args: tuple[Any, ...]) -> tuple[fx.GraphModule, Structure | None]:
     from torch.export import export  # loaded where used
 
-    program = export(model, args, dynamic_shapes=_dynamic_batch(args), strict=False)
+    found: list[Structure] = []
+    shell = _flattening_shell(model, found)
+    program = export(shell, args, dynamic_shapes=_dynamic_batch(args), strict=False)
     unlifted = program.module()
     # A plain GraphModule over the same graph and attributes: the exported
     # module's class forbids train()/eval(), which the rewritten model needs.
-    return fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
+    gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
+    return gm, (found[-1] if found else None)
 
 
 class _Tracer(fx.Tracer):
@@ -240,6 +345,11 @@ def capture(
     one per mode). ``warn_batch``: warn about an example batch of 0 or 1.
     """
     args = normalize_example_inputs(example_inputs)
+    # A view as example input makes torch.export guard on its base tensor's shape, and
+    # the graph then refuses inputs that are not views of the same kind: trace a copy.
+    args = pytree.tree_map(
+        lambda a: a.clone() if isinstance(a, torch.Tensor) and a._base is not None else a, args
+    )
     for leaf in pytree.tree_leaves(args) if warn_batch else ():
         if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1 and leaf.shape[0] < 2:
             warnings.warn(
@@ -254,6 +364,7 @@ def capture(
     modes = [(module, module.training) for module in model.modules()]
     was_training = model.training
     export_error: BaseException | None = None
+    structure: Structure | None = None
     try:
         model.train(training)
         try:
@@ -262,20 +373,13 @@ def capture(
                     "float8 layers stay whole calls, which torch.export cannot keep (it would "
                     "trace through their custom backward)"
                 )
-            gm, method = _export(model, args), "export"
+            (gm, structure), method = _export(model, args), "export"
         except Exception as err:  # any failure of export sends us to the fallback
             export_error = err
             try:
                 gm, method = _symbolic_trace(model, args), "symbolic_trace"
             except Exception as fx_err:
-                raise CaptureError(
-                    f"could not capture {type(model).__name__} as one graph.\n"
-                    f"  torch.export failed {_where(err)}\n"
-                    f"  torch.fx.symbolic_trace failed {_where(fx_err)}\n"
-                    "The graph rewrite needs the whole forward as one graph; data-dependent "
-                    "Python control flow prevents that. Use module-level mixed precision "
-                    "instead: mixprec.amp.initialize(model, level='O1')."
-                ) from fx_err
+                raise CaptureError(_capture_failure(model, err, fx_err)) from fx_err
     finally:
         for module, mode in modes:
             module.training = mode
@@ -285,4 +389,4 @@ def capture(
     gm.graph.lint()
     gm.recompile()
     gm.train(was_training)
-    return Captured(gm, method, None if export_error is None else _where(export_error))
+    return Captured(gm, method, None if export_error is None else _where(export_error), structure)

@@ -4,8 +4,8 @@ Op names are short ATen names (see :mod:`mixprec.rewrite._lists` for the naming)
 The four contested entries are decided here, each with its reason next to it:
 ``softmax`` and ``log_softmax`` and ``layer_norm`` are Deny, ``batch_norm`` is Infer.
 
->>> "addmm" in ALLOW, "softmax" in DENY, "batch_norm" in INFER, "view" in CLEAR
-(True, True, True, True)
+>>> "addmm" in ALLOW, "lstm" in ALLOW, "softmax" in DENY, "batch_norm" in INFER, "view" in CLEAR
+(True, True, True, True, True)
 """
 
 __all__ = ["ALLOW", "CLEAR", "DENY", "INFER"]
@@ -35,6 +35,22 @@ ALLOW = frozenset(
         "conv_transpose3d",
         # Fused attention: the kernels keep the softmax statistics in float32.
         "scaled_dot_product_attention",
+        # Recurrent layers and cells (nn.LSTM, nn.GRU, nn.RNN and their cells): each
+        # step is two matrix products (accumulated in float32 by the kernels) and
+        # bounded gate activations (sigmoid, tanh); the classic allow list holds the
+        # recurrent ops too. The initial hidden and cell states are cast with the
+        # input, the weights like any other parameter.
+        "lstm",
+        "gru",
+        "rnn_tanh",
+        "rnn_relu",
+        "lstm_cell",
+        "gru_cell",
+        "rnn_tanh_cell",
+        "rnn_relu_cell",
+        "_thnn_fused_lstm_cell",
+        "_thnn_fused_gru_cell",
+        "mkldnn_rnn_layer",
     }
 )
 

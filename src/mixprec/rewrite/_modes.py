@@ -10,6 +10,7 @@ which reads the rewritten module's own ``training`` attribute on every call, so
 
     flag = TrainingFlag()()                        # inserted once, after the inputs
     dropout(x, p, True)            ->  dropout(x, p, flag)
+    lstm(..., dropout=p, train=True) -> lstm(..., train=flag)    (gru, rnn_* too; p > 0)
     batch_norm(..., True, ...)     ->  batch_norm(..., flag, ...)   (running stats only)
     sdpa(..., dropout_p=p)         ->  sdpa(..., dropout_p=p_if_training(p, flag))
     num_batches_tracked.add_(1)    ->  count_batch_if_training(num_batches_tracked, flag)
@@ -44,6 +45,13 @@ _DROPOUT_OPS = {
     torch.ops.aten.alpha_dropout.default: "train",
     torch.ops.aten.feature_alpha_dropout.default: "train",
     torch.ops.aten.native_dropout.default: "train",
+}
+# Recurrent layers apply dropout between stacked layers when their ``train`` argument
+# is set; export bakes it in as True.
+_RNN_OPS = {
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")
+    for overload in ("input", "data")
 }
 _NORM_OPS = {
     torch.ops.aten.batch_norm.default: "training",
@@ -153,6 +161,12 @@ def follow_training_mode(gm: fx.GraphModule) -> int:
             index = _schema_index(target, name)
             if isinstance(_get_arg(node, index, name, None), bool):
                 _set_arg(node, index, name, flag_node())
+                changed += 1
+        elif target in _RNN_OPS:
+            index = _schema_index(target, "train")
+            dropout = _get_arg(node, _schema_index(target, "dropout"), "dropout", 0.0)
+            if isinstance(_get_arg(node, index, "train", None), bool) and dropout:
+                _set_arg(node, index, "train", flag_node())
                 changed += 1
         elif target in _NORM_OPS:
             # With running statistics absent, batch norm always uses batch statistics.

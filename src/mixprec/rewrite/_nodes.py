@@ -151,6 +151,10 @@ _MODULE_NAMES: dict[type, str] = {
     nn.Identity: "alias",
     nn.Embedding: "embedding",
     nn.MultiheadAttention: "multihead_attention",
+    nn.LSTM: "lstm",
+    nn.GRU: "gru",
+    nn.LSTMCell: "lstm_cell",
+    nn.GRUCell: "gru_cell",
     nn.CrossEntropyLoss: "cross_entropy_loss",
     nn.NLLLoss: "nll_loss",
     nn.MSELoss: "mse_loss",
@@ -191,6 +195,10 @@ def op_name(node: Node, root: nn.Module | None = None) -> str | None:
         module = root.get_submodule(str(target)) if root is not None else None
         if module is None:
             return None
+        if isinstance(module, (nn.RNN, nn.RNNCell)):  # the op depends on the nonlinearity
+            return f"rnn_{module.nonlinearity}" + (
+                "_cell" if isinstance(module, nn.RNNCell) else ""
+            )
         for cls in type(module).__mro__:
             if cls in _MODULE_NAMES:
                 return _MODULE_NAMES[cls]

@@ -110,7 +110,7 @@ def _is_vertex(node: fx.Node, root: nn.Module | None) -> bool:
     return float_outputs(node)
 
 
-#: Why a float8 layer (:class:`mixprec.float8.Float8Linear`) is left as it is.
+#: Why a float8 layer (:class:`mixprec.float8.Float8Linear`, ``Float8Conv1D``) is left as it is.
 FLOAT8_REASON = "float8 layer: casts its input and weight to float8 itself (mixprec.float8)"
 
 # Modules whose kernels take a low-precision input with float32 parameters and
@@ -122,10 +122,10 @@ def _blocker(node: fx.Node, root: nn.Module | None, name: str) -> str | None:
     """Why a vertex can never be painted (``None`` when it can)."""
     if node.op == "call_module" and root is not None and name not in _MIXED_DTYPE_MODULES:
         # Imported here: mixprec.float8 loads only when a graph is painted, not with the package.
-        from mixprec.float8._linear import Float8Linear
+        from mixprec.float8._linear import Float8Layer
 
         module = root.get_submodule(str(node.target))
-        if isinstance(module, Float8Linear):
+        if isinstance(module, Float8Layer):
             return FLOAT8_REASON
         if _has_float_state(module):
             return (
