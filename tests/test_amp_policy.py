@@ -158,7 +158,21 @@ def test_an_exception_in_forward_leaves_nothing_behind():
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.ones(1, 2))
     assert "weight" not in model.fc.__dict__
-    assert cast_hooks._region_stack() == []
+    assert cast_hooks._region_stack() == [] and cast_hooks._local.autocast == []
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert not torch.is_autocast_enabled("cpu")  # O1's torch.autocast was left
+    assert cast_hooks.get_state(model)._frames == {}
+    assert cast_hooks.get_state(model.fc) is None  # autocast decides inside O1's root
+
+
+def test_an_exception_in_forward_leaves_nothing_behind_with_custom_lists():
+    model = Fails()
+    amp.initialize(model, level="O1", dtype=torch.bfloat16, white_list=[nn.Linear, torch.mm])
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.ones(1, 2))
+    assert "weight" not in model.fc.__dict__
+    assert cast_hooks._region_stack() == [] and cast_hooks._local.caches == []
     assert not torch._C._is_torch_function_mode_enabled()
     assert cast_hooks.get_state(model)._frames == {}
     assert cast_hooks.get_state(model.fc)._active == {}

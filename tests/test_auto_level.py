@@ -64,11 +64,13 @@ def test_amp_initialize_auto_follows_the_cpu_and_logs_why(bf16_units, caplog):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with caplog.at_level(logging.INFO, logger="mixprec.amp"):
         model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "auto")
-    # O1 runs the Linear layers in bfloat16; O0 puts no low-precision policy anywhere.
-    assert amp.compute_dtype(model[0]) in (
-        (torch.bfloat16,) if bf16_units else (None, torch.float32)
-    )
-    assert model(torch.ones(3, 4)).dtype == torch.float32
+    # O1 runs the model under torch.autocast(bfloat16); O0 runs it in float32.
+    reference = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    with torch.autocast("cpu", torch.bfloat16, enabled=bf16_units):
+        want = reference(x).float()
+    assert model(x).dtype == torch.float32 and torch.equal(model(x), want)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     [record] = [r for r in caplog.records if r.name == "mixprec.amp"]
     assert record.getMessage().startswith(f"auto: level {'O1' if bf16_units else 'O0'}")

@@ -60,6 +60,7 @@ subtree up to the next owner. Per call::
             shadow(m): for each parameter w of m whose dtype != compute dtype:
                 m.__dict__[name] <- cache.get(w)          # attribute lookup finds this first
         owner: push compute dtype on the region stack; enter the function-cast mode
+        O1's root: enter torch.autocast; another owner inside it: autocast off
     forward(...)                                          # reads self.weight -> the cast
     post-hook(module, args, output):                      # runs on exceptions too
         undo the above
@@ -75,9 +76,20 @@ Cast cache: one cast per parameter per forward pass of the model, not per call
 (the lifetime of ``torch.autocast``'s cache). The outermost region entered on a
 thread opens a pass; an entry is reused only within the pass that made it, while
 the parameter's ``_version`` and storage are unchanged and while it suits the grad
-mode. Nothing outlives the pass, so an optimizer step (fused ones update without a
-version bump) or an edit through ``param.data`` between two forwards is always
-seen, and no process-wide hook or counter is needed: the state is the model's.
+mode. The pass's end empties every cache it filled, so no cast outlives the pass
+(no memory held between steps; the casts autograd saved for the backward are
+autograd's), an optimizer step (fused ones update without a version bump) or an
+edit through ``param.data`` between two forwards is always seen, and no
+process-wide hook or counter is needed: the state is the model's.
+
+O1 with the default lists needs none of this: its root is the only module with
+hooks, and they enter and leave ``torch.autocast`` around the forward (on the
+device type of the first tensor argument, else of the model's parameters), so
+the dispatcher casts as autocast does, with autocast's own cache. An owner
+inside that region (a policy the user set) turns autocast off in its own region,
+whose casts then decide. Under Dynamo, which would lose process-wide autocast
+state at a graph break between the two hooks, a torch function mode carries it
+instead and re-enters autocast around each torch call (``_AutocastMode``).
 
 A hook registered after amp's sees what the layer computes with:
 
@@ -105,16 +117,18 @@ One cast per parameter per forward pass of the model, not per call (the lifetime
 ``torch.autocast``'s cache). The outermost region entered on a thread opens a pass
 (a fresh token); an entry is reused only within the pass that made it, while the
 parameter's ``_version`` and storage are unchanged and while it suits the grad mode.
-Nothing outlives the pass, so an optimizer step or an edit through ``param.data``
-between two forwards is always seen. Under ``torch.compile`` the cache is not used
-(see the traced hooks below).
+The pass's end (the outermost region's post-hook) empties the caches that the
+pass filled, so nothing outlives it: no cast is kept between steps, and an
+optimizer step or an edit through ``param.data`` between two forwards is always
+seen. Under ``torch.compile`` the cache is not used (see the traced hooks below).
 
 >>> import torch
 >>> cache, w = _CastCache(), torch.nn.Parameter(torch.ones(2))
 >>> _local.pass_token = object()
 >>> cache.get("w", w, torch.bfloat16) is cache.get("w", w, torch.bfloat16)
 True
->>> _local.pass_token = None
+>>> _local.pass_token = None; _end_pass(); cache._entries
+{}
 
 The cast hooks' path under ``torch.compile``: the same casts, in code Dynamo traces.
 ------------------------------------------------------------------------------------
@@ -132,10 +146,11 @@ same thing without what breaks a graph or forces a recompile:
 * no thread-local pass token; the per-call state is a list on the module's state,
   which Dynamo records as a side effect like any other Python mutation.
 
-Function lists (O1's ``torch.matmul`` and friends) are applied by the same
-``TorchFunctionMode`` as in eager mode, entered in the root's pre-hook and left in
-its post-hook; its ``__torch_function__`` also takes the traced path, so a compiled
-O1 model computes what the eager one does.
+Function lists (``torch.matmul`` and friends in lists of the user's own) are
+applied by the same ``TorchFunctionMode`` as in eager mode, entered in the root's
+pre-hook and left in its post-hook; its ``__torch_function__`` also takes the traced
+path, so a compiled model computes what the eager one does. O1's autocast rides on
+``_AutocastMode`` there (see above).
 
 >>> import torch
 >>> x = torch.ones(2)
@@ -146,8 +161,9 @@ O1 model computes what the eager one does.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -234,13 +250,17 @@ def _has_floating_params(module: nn.Module) -> bool:
     return any(p is not None and p.is_floating_point() for p in module._parameters.values())
 
 
-def apply_policies(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> None:
+def apply_policies(
+    plan: Sequence[tuple[nn.Module, Policy, bool]], bare: Collection[nn.Module] = ()
+) -> None:
     """Make each ``(module, policy, user)`` in ``plan`` an owner and configure its region.
 
     All owners are marked first, so no region casts a parameter that a nested
     owner stores in another dtype (a float32 BatchNorm inside a bfloat16 model
-    never makes a round trip through bfloat16).
+    never makes a round trip through bfloat16). The owners in ``bare`` get no hooks
+    on the members of their regions (O1's root: ``torch.autocast`` decides there).
     """
+    bare_ids = {id(module) for module in bare}
     for module, _, _ in plan:
         forget_regions(module)
     for module, policy, user in plan:
@@ -257,7 +277,7 @@ def apply_policies(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> None:
     for owner, policy, _ in plan:
         for module in _walk_region(owner, owners - {id(owner)}):
             _cast_storage(module, policy.param_dtype)
-            if module is owner:
+            if module is owner or id(owner) in bare_ids:
                 continue
             state = get_state(module)
             if state is None and _has_floating_params(module):
@@ -451,6 +471,10 @@ class FunctionLists:
     ) -> None:
         self.low, self.high, self.low_dtype = low, high, low_dtype
         self.keep_outputs = keep_outputs
+        # One lookup per intercepted call: the mode sees every torch function the
+        # forward calls, and all but the listed ones must cost as little as possible.
+        self.targets: dict[Any, torch.dtype] = dict.fromkeys(high, torch.float32)
+        self.targets.update(dict.fromkeys(low, low_dtype))
 
 
 class _FunctionCastMode(TorchFunctionMode):
@@ -473,11 +497,11 @@ class _FunctionCastMode(TorchFunctionMode):
         # Read through the thread state, not self: Dynamo cannot guard on the
         # attributes of a mode that was on the stack before it started tracing.
         lists = _local.functions[-1]
-        target = (
-            lists.low_dtype if func in lists.low else torch.float32 if func in lists.high else None
-        )
+        target = lists.targets.get(func)
+        if target is None:  # not listed: straight through, nothing else looked at
+            return func(*args, **kwargs)
         stack = _region_stack()
-        if target is None or not stack or "out" in kwargs:
+        if not stack or "out" in kwargs:
             return func(*args, **kwargs)
         if lists.keep_outputs:
             if torch.compiler.is_compiling():
@@ -506,6 +530,53 @@ def _needs_cast(tree: Any, dtype: torch.dtype) -> bool:
     return False
 
 
+class _AutocastMode(TorchFunctionMode):
+    """``torch.autocast`` for code Dynamo traces: each torch function runs inside an
+    autocast region of its own, as the innermost O1 entry on the thread says.
+
+    Autocast is process state that a graph break would lose if the root's pre-hook
+    set it in one compiled frame and the forward ran on in the next; a function mode
+    is kept across graph breaks, and each call re-enters autocast inside it, so the
+    dispatcher sees what one ``with torch.autocast(...)`` around the forward gives.
+    Only used while Dynamo traces: eager O1 enters ``torch.autocast`` itself.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        entries = _local.autocast
+        if not entries:
+            return func(*args, **kwargs)
+        device, dtype, enabled, _ = entries[-1]
+        with torch.autocast(device, dtype, enabled=enabled):
+            return func(*args, **kwargs)
+
+
+#: One mode object for the process: Dynamo enters a mode made outside the traced code.
+_AUTOCAST_MODE = _AutocastMode()
+#: What ``_enter_autocast`` returns for an entry that only pushed onto the stack.
+_NESTED = object()
+
+
+def _device_type(module: nn.Module, args: tuple, kwargs: dict) -> str:
+    """The device type ``module`` computes on: its first tensor argument's, else its
+    first parameter's or buffer's, else the CPU."""
+    for value in itertools.chain(args, kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        return tensor.device.type
+    return "cpu"
+
+
+def _exit_autocast(region: Any) -> None:
+    """Leave what :meth:`ModuleAmp._enter_autocast` entered (``None``: nothing)."""
+    if region is None:
+        return
+    _local.autocast.pop()
+    if region is not _NESTED:
+        region.__exit__(None, None, None)
+
+
 class ModuleAmp:
     """What one module computes in, and the hooks that make it so.
 
@@ -521,6 +592,9 @@ class ModuleAmp:
         self.policy: Policy | None = None
         self.user_policy = False
         self.level: str | None = None
+        # O1's root with the default lists: its forward runs under torch.autocast in
+        # this dtype (on the device its inputs are on).
+        self.autocast: torch.dtype | None = None
         self._functions: FunctionLists | None = None
         self._mode: _FunctionCastMode | None = None
         # Modules whose running statistics are updated in place (BatchNorm,
@@ -533,7 +607,7 @@ class ModuleAmp:
         # replicas share this state (they copy the module's __dict__) but run in
         # their own threads on their own parameters.
         self._active: dict[int, list] = {}  # id(module) -> [depth, saved _flat_weights]
-        self._frames: dict[int, list[tuple[Any, list[nn.Module]]]] = {}
+        self._frames: dict[int, list[tuple[Any, list[nn.Module], Any]]] = {}
         self._members: tuple[int, list[nn.Module]] | None = None
         # The same under torch.compile (see traced_hooks): shadowed names, owner frames.
         self._traced_shadows: list = []
@@ -543,7 +617,8 @@ class ModuleAmp:
 
     @property
     def functions(self) -> FunctionLists | None:
-        """The function lists this owner applies to its forward (O1's root), or ``None``."""
+        """The function lists this owner applies to its forward (the root of a level given
+        lists naming functions), or ``None``."""
         return self._functions
 
     @functions.setter
@@ -618,6 +693,7 @@ class ModuleAmp:
         if self.policy is None:
             self._shadow(module)
         else:
+            region = self._enter_autocast(module, new_args, new_kwargs)  # may raise: first
             stack = _region_stack()
             if not stack:  # the outermost region opens a forward pass for the cast cache
                 _local.pass_token = object()
@@ -626,13 +702,42 @@ class ModuleAmp:
                 state_of(member)._shadow(member)
             stack.append(dtype)
             mode = self._enter_functions()
-            self._frames.setdefault(id(module), []).append((mode, members))
+            self._frames.setdefault(id(module), []).append((mode, members, region))
         if new_args is args and new_kwargs is kwargs:
             return None
         return new_args, new_kwargs
 
+    def _enter_autocast(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Enter ``torch.autocast`` for O1's root; leave it off in the region of any
+        other owner inside one (a policy of the user's, a float32 normalisation layer:
+        the region's own casts decide there). ``None`` when neither applies."""
+        entries = _local.autocast
+        if self.autocast is not None:
+            device, dtype, enabled = _device_type(module, args, kwargs), self.autocast, True
+        elif entries and entries[-1][2]:
+            device, dtype, enabled = entries[-1][0], entries[-1][1], False
+        else:
+            return None
+        if torch.compiler.is_dynamo_compiling():
+            via_mode = not any(entry[3] for entry in entries)
+            entries.append((device, dtype, enabled, via_mode))
+            if not via_mode:
+                return _NESTED
+            _AUTOCAST_MODE.__enter__()
+            return _AUTOCAST_MODE
+        if not torch.amp.is_autocast_available(device):
+            raise ValueError(
+                f"level O1 runs the model under torch.autocast, which is not available on "
+                f"device type {device!r} (where the model's inputs are); use level O2 or O3, "
+                "or pass white_list/black_list to O1 (its casts of its own)"
+            )
+        region = torch.autocast(device, dtype, enabled=enabled)
+        region.__enter__()
+        entries.append((device, dtype, enabled, False))
+        return region
+
     def _enter_functions(self) -> _FunctionCastMode | None:
-        """Enter the function-cast mode unless an outer region did (O1's root only)."""
+        """Enter the function-cast mode unless an outer region did (roots with lists only)."""
         mode = self._mode
         if mode is None or _local.functions:
             return None
@@ -654,16 +759,18 @@ class ModuleAmp:
         frames = self._frames.get(id(module))
         if not frames:
             return None  # our pre-hook never ran (an earlier hook raised)
-        mode, members = frames.pop()
+        mode, members, region = frames.pop()
         if not frames:
             del self._frames[id(module)]
         self._exit_functions(mode)
+        _exit_autocast(region)
         stack = _region_stack()
         stack.pop()
         for member in members:
             state_of(member)._unshadow(member)
-        if not stack:
+        if not stack:  # the forward pass ends: its casts go (autocast's cache does too)
             _local.pass_token = None
+            _end_pass()
         policy = self.policy
         if output is None or (policy.output_dtype == policy.compute_dtype and self.level is None):
             # The output stays as computed: normally the compute dtype, but a nested
@@ -697,6 +804,10 @@ class _ThreadState(threading.local):
         self.stack: list[torch.dtype] = []
         self.pass_token: object | None = None
         self.functions: list[Any] = []  # FunctionLists of the active mode (at most one)
+        # O1's autocast entries, innermost last: (device type, dtype, enabled, whether
+        # this entry entered _AUTOCAST_MODE, under Dynamo).
+        self.autocast: list[tuple[str, torch.dtype, bool, bool]] = []
+        self.caches: list[_CastCache] = []  # the caches holding casts of this pass
 
 
 _local = _ThreadState()
@@ -710,11 +821,22 @@ def _current_pass() -> object | None:
     return _local.pass_token
 
 
+def _end_pass() -> None:
+    """Drop every cast the forward pass that just ended cached (see _CastCache)."""
+    caches = _local.caches
+    for cache in caches:
+        cache._entries.clear()
+        cache._pass = None
+    caches.clear()
+
+
 class _CastCache:
-    """Casts of parameters, reused until the parameter changes (see module docstring)."""
+    """Casts of parameters, reused within one forward pass while the parameter is
+    unchanged, and dropped when the pass ends (see module docstring)."""
 
     def __init__(self) -> None:
         self._entries: dict[Any, tuple] = {}
+        self._pass: object | None = None  # the pass whose casts _entries holds
 
     def get(self, key: Any, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         needs_grad = param.requires_grad and torch.is_grad_enabled()
@@ -739,6 +861,9 @@ class _CastCache:
         if needs_grad or entry is None or entry[3] is not token or not entry[-1].requires_grad:
             # Keep a differentiable cast over a no-grad one of the same pass.
             self._entries[key] = (param, param._version, param.data_ptr(), token, cast)
+            if self._pass is not token:  # the pass's end empties this cache
+                self._pass = token
+                _local.caches.append(self)
         return cast
 
     def cast_args(self, tree: Any, dtype: torch.dtype) -> Any:
@@ -761,7 +886,7 @@ class _CastCache:
         return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._entries = {}
+        self._entries, self._pass = {}, None
 
 
 # --------------------------------------------------------------------------------------
@@ -854,8 +979,9 @@ def traced_pre_hook(
         member_state = get_state(member)
         if member_state.shadow_params:
             shadow(member, member_state.compute_dtype, member_state._traced_shadows)
+    region = state._enter_autocast(module, new_args, new_kwargs)
     stack.append(state.compute_dtype)
-    state._traced_frames.append((state._enter_functions(), members))
+    state._traced_frames.append((state._enter_functions(), members, region))
     return new_args, new_kwargs
 
 
@@ -867,8 +993,9 @@ def traced_post_hook(state: Any, module: nn.Module, output: Any, stack: list, ge
         return None
     if not state._traced_frames:
         return None  # the pre-hook never ran (an earlier hook raised)
-    mode, members = state._traced_frames.pop()
+    mode, members, region = state._traced_frames.pop()
     state._exit_functions(mode)
+    _exit_autocast(region)
     stack.pop()
     for member in members:
         member_state = get_state(member)

@@ -6,11 +6,10 @@
 
     level  parameters stored      computes in low precision          loss scale     masters
     O0     float32                nothing                            none           no
-    O1     float32, cast on the   allow-listed modules and functions  dynamic (fp16)  no
-           fly (cached per step)  (linear, conv*, matmul/bmm, RNNs,   none (bf16)
-                                  prelu, MultiheadAttention); their
-                                  outputs stay low, deny-listed ops
-                                  (norms, softmax, losses) cast up
+    O1     float32                what torch.autocast runs low on    dynamic (fp16)  no
+                                  the device: the forward runs under  none (bf16)
+                                  torch.autocast(device, dtype), bit
+                                  for bit (own lists: see below)
     O2     low; norms float32     everything but the deny list        dynamic         float32, in
                                   (BatchNorm, LayerNorm, GroupNorm..)                  the optimizer
     O3     low, norms too         everything                          none           no
@@ -22,7 +21,8 @@
            bfloat16; any other CPU O0 (float32)
 
 At every level the model's floating inputs are cast to its compute dtype on entry
-and its floating outputs to float32, so the loss is computed in float32. bfloat16
+(float32 at O0 and O1) and its floating outputs to float32, so the loss is computed
+in float32. bfloat16
 has float32's exponent range, so its gradients do not underflow: O1 and O3 do not
 scale a bfloat16 loss by default, O2 keeps its dynamic scale (harmless, and it still
 skips a step whose gradients overflow).
@@ -34,12 +34,27 @@ rounds to (almost) zero there and the first applied step turns every weight NaN 
 rather than keeping the state in float32 behind the optimizer's back, which is what
 O2's master weights are for. Use ``eps >= 1e-4``, bfloat16, SGD, or O2.
 
+O1 with the default lists hooks only the model itself: its forward-pre hook enters
+``torch.autocast(device_type, dtype)`` (the device of the model's inputs) and its
+forward hook leaves it and casts the output to float32. Every op then runs where
+the device's autocast lists put it (on a CPU BatchNorm, ReLU, ``pow`` and ``tanh``
+stay low, on CUDA softmax, norms and losses run float32), the outputs and
+gradients are ``torch.autocast``'s bit for bit, and autocast's cache of weight
+casts lives only inside the forward. Regions given a policy of their own (by the
+user beforehand, or normalisation layers with ``keep_batchnorm_fp32=True``) run
+with autocast off, in their own dtype.
+
+O1 with lists of the user's own (``white_list``/``black_list`` other than the
+defaults) applies them itself: listed modules are hooked, and listed functions
+are cast by a torch function mode, which exists only when the lists name
+functions. There a listed module's parameters are cast on the fly, once per
+forward pass, and the casts are dropped when the pass ends.
 ``nn.MultiheadAttention`` feeds raw Parameters to ``F.multi_head_attention_forward``
-instead of calling ``nn.Linear`` modules, so O1 lists the module type itself: its
-inputs and all its parameters (``out_proj`` included) are cast on entry, and every
-matmul inside runs low. ``nn.TransformerEncoderLayer`` works at every level in
-training and evaluation: its fused inference fast path declines modules with
-hooks and runs the regular layers.
+instead of calling ``nn.Linear`` modules, so the default white list names the
+module type itself: its inputs and all its parameters (``out_proj`` included) are
+cast on entry, and every matmul inside runs low. ``nn.TransformerEncoderLayer``
+works at every level in training and evaluation: its fused inference fast path
+declines modules with hooks (and autocast) and runs the regular layers.
 
 The plan of an amp level: which modules own a policy, and in which dtypes.
 --------------------------------------------------------------------------
@@ -65,13 +80,15 @@ statistics lose too much in 8 or 11 bits of mantissa, and the functions that
 ``torch.autocast`` runs in float32 on CUDA (softmax, the norms, losses, exp/log/pow,
 sums and products), whose range or accumulation float16 cannot hold.
 
-``amp.initialize`` uses them per level: O1 runs white-listed modules and functions
-low inside a float32 model and keeps their outputs low, so the next white-listed op
-takes them without a cast, while black-listed modules and functions cast their inputs
-up and return float32 (what ``torch.autocast`` does); O2 runs black-listed modules in
-float32 inside a low model (the default functions are O1's: O2 computes everything
-else low by design). Wherever both apply, the innermost listed module (or the
-function) decides, so a black-listed layer inside a white-listed block stays float32.
+``amp.initialize`` uses them per level. O1 left with these defaults runs the model
+under ``torch.autocast``, whose own per-device lists decide (see above); given lists
+of the user's own (start from copies of these), O1 runs white-listed modules and
+functions low inside a float32 model and keeps their outputs low, so the next
+white-listed op takes them without a cast, while black-listed modules and functions
+cast their inputs up and return float32. O2 runs black-listed modules in float32
+inside a low model (the default functions are O1's: O2 computes everything else low
+by design). Wherever both apply, the innermost listed module (or the function)
+decides, so a black-listed layer inside a white-listed block stays float32.
 
 Entries are ``nn.Module`` subclasses (matched with ``isinstance``) or torch
 functions that ``__torch_function__`` can intercept (``torch.matmul``,
@@ -215,14 +232,18 @@ def initialize(
             in this module).
         dtype: the low precision, ``torch.float16`` or ``torch.bfloat16``.
         keep_batchnorm_fp32: keep normalisation layers float32; default ``True`` for
-            O2, ``False`` for O3; O0/O1 always keep them.
+            O2, ``False`` for O3. O0/O1 store every parameter float32 (``False`` is
+            refused there); ``True`` at O1 also computes the normalisation layers in
+            float32, where ``None`` leaves them to ``torch.autocast``.
         loss_scale: ``None`` (the level's default), ``"dynamic"``, a number (static
             scale) or a :class:`mixprec.loss_scale.LossScale`.
         white_list, black_list: module types and torch functions replacing the
-            defaults (:func:`get_white_list`, :func:`get_black_list`). O1 runs the
-            white list low, keeping its outputs low, and the black list float32
-            wherever it is; O2/O3 run the black list's modules (and any function
-            passed in ``black_list``) float32 and, inside them, the white list low.
+            defaults (:func:`get_white_list`, :func:`get_black_list`). O1 with both
+            left as ``None`` (or passed as the defaults) is ``torch.autocast``; with
+            lists of the user's own it runs the white list low, keeping its outputs
+            low, and the black list float32 wherever it is. O2/O3 run the black
+            list's modules (and any function passed in ``black_list``) float32 and,
+            inside them, the white list low.
         master_weights: what the optimizer steps for the low-precision parameters of O2,
             O3 and lean (:class:`~mixprec.optim.LossScaleOptimizer`'s option): ``None``
             the level's own (O2 ``"fp32"``, lean ``"kahan"``, O3 ``False``), or
@@ -241,11 +262,8 @@ def initialize(
     ``auto`` picks level and dtype by the hardware of the model's parameters, whatever
     ``dtype`` says (:func:`choose_auto`; the choice and why go to the ``mixprec.amp``
     logger). CUDA: O2 (tensor cores; O2 halves weight and activation memory). A CPU with
-    bfloat16 units: O1 in bfloat16, which keeps float32 parameters and numerics
-    everywhere but the matmuls the units speed up, and needs no master-weight memory.
-    Measured on an AVX512-BF16 CPU, a transformer encoder's training step took
-    0.38-0.40 of float32's time with O1 against 0.36-0.37 with O2 (``torch.autocast``:
-    0.35-0.36): O2's few percent do not pay for its weaker numerics there. O3 in
+    bfloat16 units: O1 in bfloat16, that is ``torch.autocast("cpu", torch.bfloat16)``,
+    which keeps float32 parameters and needs no master-weight memory. O3 in
     float16 with an ``eps`` below float16's range (Adam's 1e-8) is refused (module doc).
 
     Algorithm::
@@ -254,7 +272,9 @@ def initialize(
         plan <- owners and policies for the level    # see level_plan.plan_level
         store each region's parameters in its param dtype (in place, same Parameters)
         fp8: swap eligible nn.Linear layers for Float8Linear (same Parameters)
-        install the hooks (mixprec.amp._casting); O1: function-cast mode on the root
+        install the hooks (mixprec.amp._casting): O1 with the default lists hooks only
+            the root, which runs the forward under torch.autocast; O1 with lists of
+            the user's own: a function-cast mode on the root if they name functions
         optimizer -> LossScaleOptimizer(optimizer, loss_scale, master_weights)
 
     >>> import torch
@@ -288,8 +308,9 @@ def initialize(
     level = "O3" if lean else level  # lean is O3's casts with compensated updates
     if level in ("O0", "O1") and keep_batchnorm_fp32 is False:
         raise ValueError(
-            f"keep_batchnorm_fp32=False with level={level!r}: {level} keeps every normalisation "
-            "layer float32; use O3 for low-precision normalisation"
+            f"keep_batchnorm_fp32=False with level={level!r}: {level} stores every parameter "
+            "float32 (O1 computes as torch.autocast does); use O3 for low-precision "
+            "normalisation layers, or None for the level's default"
         )
     if level == "O0" and (white is not None or black is not None):
         raise ValueError("O0 runs everything in float32: white_list/black_list must be None")
@@ -315,7 +336,12 @@ def initialize(
         )
     scaler = _check_loss_scale(loss_scale, level, dtype) if optimizer is not None else None
 
-    if level == "O1":
+    autocast = level == "O1" and _is_default(white, black)
+    if autocast:
+        # torch.autocast decides every op; keep_batchnorm_fp32=True asks for float32
+        # normalisation layers on top (regions of their own, autocast off inside).
+        white, black = (), (_BLACK_MODULES if keep_batchnorm_fp32 else ())
+    elif level == "O1":
         white = tuple(get_white_list()) if white is None else white
         black = tuple(get_black_list()) if black is None else black
     elif level in ("O2", "O3"):
@@ -352,9 +378,10 @@ def initialize(
         plan = plan_level(model, level, dtype, white_modules, black_modules)  # the new layers
 
     claim_tree(model)
-    apply_policies(plan)
+    apply_policies(plan, bare=[model] if autocast else ())
     root = state_of(model)  # claimed above
     root.level = "lean" if lean else level
+    root.autocast = dtype if autocast else None
     if white_functions or black_functions:
         root.functions = FunctionLists(
             white_functions, black_functions, dtype, keep_outputs=level == "O1"
@@ -439,6 +466,8 @@ def plan_level(
     ``out(own, r)`` the child's own dtype in O1 (as ``torch.autocast``: an allow-listed
     op's output stays low for the next one, a deny-listed op casts up and returns
     float32) and the region's ``r`` in O2/O3 (the model around the child keeps its dtype).
+    O1 with the default lists is planned with empty ones (plus the normalisation
+    types for ``keep_batchnorm_fp32=True``): ``torch.autocast`` decides the rest.
     """
     f32 = torch.float32
     white_param = f32 if level == "O1" else dtype
@@ -495,9 +524,8 @@ def low_params(model: nn.Module, plan: list[tuple[nn.Module, Policy, bool]]) -> 
 # What "auto" means on a CPU, decided by measurement (AVX512-BF16 CPU, one thread,
 # 4-layer transformer encoder d=512, 8 heads, seq 128, batch 8, forward + backward +
 # AdamW step, CPU time as a fraction of float32's, several runs): O2 bf16 0.36-0.37,
-# O1 bf16 0.38-0.40, torch.autocast bf16 0.35-0.36. O1 casts every activation into
-# and out of each allow-listed layer; O2 keeps weights and activations in bf16 and
-# pays only the float32 norm boundaries and the master-weight copies.
+# torch.autocast bf16 0.35-0.36, which O1 now is. O2 keeps weights and activations
+# in bf16 and pays the float32 norm boundaries and the master-weight copies.
 _CPU_AUTO_LEVEL: Final = "O1"
 
 
@@ -673,13 +701,28 @@ _BLACK_FUNCTIONS: tuple[Any, ...] = (
 
 
 def get_white_list() -> list[Any]:
-    """A copy of the default allow list: module types, then functions, run low in O1."""
+    """A copy of the default allow list: module types, then functions.
+
+    O1 given exactly the defaults runs ``torch.autocast`` (its per-device lists
+    decide); edit a copy to give O1 lists of your own, which it then applies itself.
+
+    >>> import torch
+    >>> white = get_white_list() + [torch.nn.Embedding]  # O1 runs these, and only these, low
+    >>> torch.nn.Linear in white and torch.matmul in white
+    True
+    """
     return [*_WHITE_MODULES, *_WHITE_FUNCTIONS]
 
 
 def get_black_list() -> list[Any]:
-    """A copy of the default deny list: normalisation module types (float32 at O1 and
-    O2), then the float32 functions (O1)."""
+    """A copy of the default deny list: normalisation module types (float32 at O2),
+    then the functions ``torch.autocast`` runs float32 on CUDA (O1 with lists of
+    the user's own; see :func:`get_white_list`).
+
+    >>> import torch
+    >>> torch.nn.BatchNorm2d in get_black_list(), torch.nn.functional.softmax in get_black_list()
+    (True, True)
+    """
     return [*_BLACK_MODULES, *_BLACK_FUNCTIONS]
 
 
@@ -701,6 +744,14 @@ def _namesakes(func: Any) -> set[Any]:
     if name == "matmul":
         found.update({torch.Tensor.__matmul__, torch.Tensor.__rmatmul__})
     return found
+
+
+def _is_default(white: tuple[Any, ...] | None, black: tuple[Any, ...] | None) -> bool:
+    """Whether O1's lists are the defaults (left out, or passed as they are), which
+    O1 runs as ``torch.autocast`` itself."""
+    return (white is None or set(white) == set(get_white_list())) and (
+        black is None or set(black) == set(get_black_list())
+    )
 
 
 def check_list(name: str, value: Any) -> tuple[Any, ...] | None:
