@@ -21,6 +21,7 @@ import torch
 import mixprec
 import mixprec.cli._train as cli_train
 from mixprec.cli import main
+from mixprec.cli._run_folder import RUN_FORMAT
 from mixprec.train.data import check_arrays
 
 FAST = ["--model", "mlp", "--batch-size", "256", "--threads", "1", "--quiet", "--device", "cpu"]
@@ -253,7 +254,7 @@ def test_a_run_folder_of_no_or_another_format_is_refused_in_one_line(
     line = one_error_line(capsys)
     found = "no format" if fmt is None else f"format {fmt!r}"
     assert f"--resume {run}: its config.json has {found}; " in line
-    assert "reads 'mixprec-run-1'" in line
+    assert f"reads {RUN_FORMAT!r}" in line
     assert digest(run) == before
 
 

@@ -2,13 +2,19 @@
 
 ``mixprec train`` with no arguments trains LeNet-5 on the embedded 8x8 digits at amp
 level O2 (float16 on CUDA, bfloat16 on a CPU) with dynamic loss scaling, shows
-progress, and ends with the test accuracy. Into ``--out`` it writes ``config.json``,
-``metrics.json``, ``metrics.csv``, plots (``loss.png``, ``accuracy.png``,
-``loss_scale.png`` with skipped steps marked) and per-epoch checkpoints, from which
-``--resume`` continues exactly.
+progress, and ends with the test accuracy. The data is split three ways: the test set,
+evaluated once, at the end; a validation part carved from the rest (``val_accuracy``,
+each epoch); and the training part. Into ``--out`` it writes ``config.json``,
+``metrics.json``, ``metrics.csv`` (one row per epoch, a stable header, ``nan`` for a
+value an epoch did not measure), plots (``loss.png``, ``accuracy.png``,
+``loss_scale.png`` with skipped steps marked, or for bfloat16 the gradient underflow
+under "bfloat16: no scaling needed") and per-epoch checkpoints, from which ``--resume``
+continues exactly.
 
 ``mixprec compare`` trains the same model at several levels, each in a fresh process
-(so peak memory is that configuration's own), and prints one table.
+(so peak memory is that configuration's own, and a level stuck past
+``--level-timeout`` is stopped), shows a progress line as each level starts and ends,
+and prints one table.
 
 ``mixprec diagnose`` runs a few batches through the same model in float32 and reports
 (:mod:`mixprec.cli._diagnose`) which layers a low-precision dtype would underflow or
@@ -24,6 +30,12 @@ line on stderr after the metrics, plots and finished epochs' checkpoints were sa
 checkpoints are intact and ``--resume`` continues once there is space); 130 interrupted
 (Ctrl-C), resumable from the last finished epoch. ``mixprec compare`` exits non-zero
 when any level failed (3 when each failed level diverged), after writing its table.
+``mixprec`` alone prints the usage on stderr and exits 2.
+
+Under ``torchrun`` (data parallel ``mixprec train``) every rank prints the same one line
+and exits with the same code; ``torchrun`` then adds its own failure summary (its
+``ChildFailedError``, listing each rank's exit code) and exits 1
+(:mod:`mixprec.cli._torchrun`).
 
 The parts: :mod:`mixprec.cli._args` (the parser), :mod:`mixprec.cli._run_folder` (what a
 run folder holds and its rules), :mod:`mixprec.cli._train` and :mod:`mixprec.cli._compare`
@@ -38,6 +50,7 @@ import sys
 from typing import Any
 
 from mixprec.cli._args import UsageError, build_parser
+from mixprec.cli._torchrun import failing, finish
 
 __all__ = ["main", "build_parser", "run_train", "run_compare", "run_diagnose"]
 
@@ -59,12 +72,20 @@ def __getattr__(name: str) -> Any:  # PEP 562: run_train & co. load on first use
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``mixprec`` command; returns the exit code."""
-    try:
-        args = build_parser().parse_args(argv)
-    except UsageError as err:
-        print(f"mixprec: error: {err}", file=sys.stderr)
+    """Entry point of the ``mixprec`` command; returns the exit code.
+
+    With no arguments it prints the usage and the sub-commands on stderr and returns 2,
+    argparse's code for a missing sub-command.
+    """
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)
         return 2
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as err:
+        failing()
+        return finish(f"mixprec: error: {err}", 2)
     module, function = _COMMANDS[args.command]
     run = getattr(importlib.import_module(module), function)
     # Loaded with the sub-command's module (mixprec.cli._train, which each of them imports).
@@ -73,30 +94,35 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         run(args)
-    except KeyboardInterrupt as err:  # Ctrl-C: one line, the conventional 128 + SIGINT
-        print(f"mixprec: {_one_line(err) or 'interrupted'}", file=sys.stderr)
-        return 130
-    except (UsageError, DataError) as err:
-        print(f"mixprec: error: {err}", file=sys.stderr)
-        return 2
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except BaseException as err:  # noqa: BLE001 - each kind is one line and an exit code
+        found = _outcome(err, DIVERGED, DataError)
+        if found is None:
+            raise
+        failing()  # under torchrun: this rank finishes its line, whatever the others do
+        return finish(*found)
+    return 0
+
+
+def _outcome(err: BaseException, diverged: tuple, data_error: type) -> tuple[str, int] | None:
+    """The one line and exit code for ``err``; ``None`` for an error that is a bug (its
+    traceback is the report)."""
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C: one line, the conventional 128 + SIGINT
+        return f"mixprec: {_one_line(err) or 'interrupted'}", 130
+    if isinstance(err, (UsageError, data_error)):
+        return f"mixprec: error: {err}", 2
+    if isinstance(err, (ValueError, TypeError, FileNotFoundError)):
         # Input the library rejected (it names the argument): still one line.
-        print(f"mixprec: error: {_one_line(err)}", file=sys.stderr)
-        return 2
-    except OSError as err:  # a folder or file that cannot be written (or read)
+        return f"mixprec: error: {_one_line(err)}", 2
+    if isinstance(err, OSError):  # a folder or file that cannot be written (or read)
         where = f" {err.filename}" if err.filename else ""
         if err.errno in _ENVIRONMENT:  # not the user's input: the machine's state
-            print(f"mixprec: error: {_ENVIRONMENT[err.errno]} writing{where}", file=sys.stderr)
-            return 1
-        print(f"mixprec: error: cannot write{where}: {err.strerror or err}", file=sys.stderr)
-        return 2
-    except DIVERGED as err:
-        print(f"mixprec: diverged: {_one_line(err)}", file=sys.stderr)
-        return 3
-    except CompareFailed as err:
-        print(f"mixprec: error: {_one_line(err)}", file=sys.stderr)
-        return err.code
-    return 0
+            return f"mixprec: error: {_ENVIRONMENT[err.errno]} writing{where}", 1
+        return f"mixprec: error: cannot write{where}: {err.strerror or err}", 2
+    if isinstance(err, diverged):
+        return f"mixprec: diverged: {_one_line(err)}", 3
+    if isinstance(err, CompareFailed):
+        return f"mixprec: error: {_one_line(err)}", err.code
+    return None
 
 
 #: Errors of the machine rather than of the input: exit code 1.

@@ -32,12 +32,22 @@ from typing import Any
 
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 
-__all__ = ["DEFAULTS", "LR_MAX", "UsageError", "build_parser", "fill_defaults"]
+__all__ = [
+    "COMPARE_LEVEL_TIMEOUT",
+    "DEFAULTS",
+    "LR_MAX",
+    "UsageError",
+    "build_parser",
+    "fill_defaults",
+]
 
 #: The largest ``--lr``: AdamW's first step is up to 10 x the learning rate (its bias
 #: correction), and that must stay a float32 number (3.4e38) for the update to be made;
 #: a larger one is refused instead of failing inside the optimizer.
 LR_MAX = 3.4e37
+
+#: ``mixprec compare --level-timeout``: seconds a level may run before it counts as stuck.
+COMPARE_LEVEL_TIMEOUT = 3600.0
 
 #: Defaults of the training options, filled in after parsing (:func:`fill_defaults`), so
 #: that a resumed run can tell a given option from a default.
@@ -158,8 +168,11 @@ def _path(text: str) -> Path:
     return Path(text)
 
 
-def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True) -> None:
-    if level_default:
+def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
+    """The options ``train`` and ``compare`` share; ``command`` words their help (compare
+    has no ``--level``, ``--resume`` or ``--level auto`` of its own)."""
+    train = command == "train"
+    if train:
         p.add_argument(
             "--level",
             choices=AMP_LEVELS,
@@ -174,8 +187,8 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
         "--dtype",
         choices=("float16", "bfloat16"),
         default=None,
-        help="low-precision dtype (default: float16 on CUDA, bfloat16 on CPU; "
-        "--level auto picks its own)",
+        help="low-precision dtype (default: float16 on CUDA, bfloat16 on CPU"
+        + ("; --level auto picks its own)" if train else ", for every level but O0 and auto)"),
     )
     p.add_argument(
         "--loss-scale",
@@ -200,8 +213,12 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
         "--epochs",
         type=_positive(int),
         default=None,
-        help=f"epochs in total (default: {DEFAULTS['epochs']}; with --resume, the run's "
-        "own, and a larger N extends the run to N epochs)",
+        help=f"epochs in total (default: {DEFAULTS['epochs']}"
+        + (
+            "; with --resume, the run's own, and a larger N extends the run to N epochs)"
+            if train
+            else ", for each level)"
+        ),
     )
     p.add_argument(
         "--batch-size",
@@ -225,14 +242,16 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
     p.add_argument(
         "--device",
         default=None,
-        help="cpu, cuda or cuda:N (default: cuda if available; with --resume, the run's own)",
+        help="cpu, cuda or cuda:N (default: cuda if available"
+        + ("; with --resume, the run's own)" if train else ")"),
     )
     p.add_argument(
         "--threads",
         type=_positive(int),
         default=None,
-        help="CPU threads for PyTorch (default: PyTorch's choice; with --resume, the run's "
-        "own); 1 is fastest for small models on a busy machine",
+        help="CPU threads for PyTorch (default: PyTorch's choice"
+        + ("; with --resume, the run's own)" if train else ")")
+        + "; 1 is fastest for small models on a busy machine",
     )
     p.add_argument(
         "--fp8",
@@ -241,12 +260,14 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
         default=None,
         choices=("dynamic", "delayed"),
         help="run the linear layers whose sizes are multiples of 16 in float8 (forward and "
-        "backward), with per-tensor scales: dynamic (default) or delayed (amax history)",
+        "backward), with per-tensor scales: dynamic (default) or delayed (amax history)"
+        + ("" if train else "; for every level (a single level: +fp8 in --levels)"),
     )
     p.add_argument(
         "--compile",
         action="store_true",
-        help="run the network through torch.compile (every level; the first steps compile)",
+        help="run the network through torch.compile (every level; the first steps compile)"
+        + ("" if train else "; a single level: +compile in --levels"),
     )
     p.add_argument(
         "--max-skipped-fraction",
@@ -258,7 +279,12 @@ def _add_training_options(p: argparse.ArgumentParser, level_default: bool = True
     p.add_argument(
         "--quiet",
         action="store_true",
-        help="no progress (otherwise a live bar on a terminal, one line per epoch elsewhere)",
+        help=(
+            "no progress (otherwise a live bar on a terminal, one line per epoch elsewhere)"
+            if train
+            else "no progress lines (otherwise one line as each level starts and ends, with "
+            "the elapsed time and an estimate of the rest, on stderr)"
+        ),
     )
 
 
@@ -335,9 +361,17 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser(
         "train",
         help="train a model and write metrics, plots and checkpoints",
-        description="Train a model in mixed precision.",
+        description="Train a model in mixed precision. The training data is split into a "
+        "training part and a validation part (val_accuracy, each epoch); the test set is "
+        "evaluated once, at the end (test accuracy). Exit codes: 0 done, 2 bad input (one "
+        "line, nothing written), 3 diverged (after saving), 1 the machine failed (e.g. disk "
+        "full), 130 interrupted (resumable). Data parallel under torchrun (e.g. torchrun "
+        "--nproc-per-node 2 -m mixprec train): --batch-size is the global batch; on bad "
+        "input every process prints the same one error line and exits 2, and torchrun then "
+        "adds its own failure summary (ChildFailedError, naming each rank's exit code 2) "
+        "and exits 1.",
     )
-    _add_training_options(train)
+    _add_training_options(train, "train")
     train.add_argument(
         "--out",
         type=_path,
@@ -360,7 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser(
         "compare",
         help="train at several levels and print one table",
-        description="Train the same model at several amp levels.",
+        description="Train the same model, data and seed at several amp levels, each level "
+        "in a fresh process (so its peak memory is its own), and print one table of test "
+        "accuracy, loss, step time, peak memory and skipped steps; it is also written to "
+        "compare.json and plotted to compare.png in --out. A level that fails or passes "
+        "--level-timeout is a row with its reason; the others still run, and the command "
+        "then exits non-zero. Nothing is resumed: a compare starts afresh each time.",
     )
     compare.add_argument(
         "--levels",
@@ -368,12 +407,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated amp levels, each optionally with +compile and/or +fp8 "
         "(e.g. O2,O2+compile,O2+fp8; default: %(default)s)",
     )
-    _add_training_options(compare, level_default=False)
+    _add_training_options(compare, "compare")
+    compare.add_argument(
+        "--level-timeout",
+        type=_positive(float),
+        default=COMPARE_LEVEL_TIMEOUT,
+        metavar="SECONDS",
+        help="a level still running after this long (stuck, or far slower than expected) "
+        "is stopped and reported as timed out; the next level runs (default: %(default)g)",
+    )
     compare.add_argument(
         "--out",
         type=_path,
         default=Path("runs/compare"),
-        help="output folder (default: %(default)s)",
+        help="output folder for compare.json and compare.png (default: %(default)s)",
     )
     _add_diagnose_command(sub)
     return parser

@@ -11,24 +11,37 @@ memory, skipped steps) is also written to ``compare.json`` and plotted to
 ``compare.png`` in ``--out``.
 
 Every entry is checked before any trains (its level and options, ``+fp8`` on the
-model's layers, ``+compile`` on this platform). Progress is one line per level with
-the elapsed time and an estimate of the rest. A level that fails (diverges, skips every
-step, raises, or its process dies: the parent watches it, never waits blindly) is a row
-with its ``status``, ``reason`` and ``exit_code``; the other levels still run,
-``compare.json`` is always written, and the command then exits non-zero (3 when every
-failed level diverged).
+model's layers, ``+compile`` on this platform). Progress goes to stderr (``--quiet``
+drops it): a line as each level starts and as it ends, with the level's number, the
+elapsed time and an estimate of the rest from the levels done so far::
+
+      [2/3] O2: started (elapsed 9 s, ETA 18 s)
+      [2/3] O2: O2 bfloat16 in 8.7 s (elapsed 18 s, ETA 9 s)
+
+A level that fails (diverges, skips every step, raises, its process dies, or it is
+still running after ``--level-timeout`` seconds: stuck; the parent watches it, never
+waits blindly, and stops it) is a row with its ``status`` (``diverged``, ``failed`` or
+``timeout``), ``reason`` and ``exit_code``; the other levels still run, ``compare.json``
+is always written, and the command then exits non-zero (3 when every failed level
+diverged, else the largest other code: 1 for a timeout or a dead process).
+
+Ctrl-C (SIGINT) stops the level running (its process ignores the signal and is
+stopped by the parent, so nothing is left behind), writes ``compare.json`` with the
+finished levels and the interrupted one (``status`` ``interrupted``), and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import multiprocessing
 import signal
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -44,13 +57,13 @@ from mixprec.cli._train import (
 )
 from mixprec.tools._memory import peak_rss_mib, reset_peak_rss
 from mixprec.train._divergence import check_skipped
-from mixprec.train._loop import AMP_LEVELS
+from mixprec.train._loop import AMP_LEVELS, resolve_device
 from mixprec.train._plots import plot_comparison
 from mixprec.train.callbacks import History
 from mixprec.train.data import DataError
 from mixprec.train.models import build_model
 
-__all__ = ["ENTRY_OPTIONS", "parse_entry", "run_compare"]
+__all__ = ["ENTRY_OPTIONS", "parse_entry", "run_compare", "run_level"]
 
 
 #: What may follow a level after ``+`` in ``--levels``: the ``mixprec train`` option
@@ -79,7 +92,7 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
     """Train one ``--levels`` entry in this (fresh) process and measure it."""
     level, options = parse_entry(entry)
     args = argparse.Namespace(**{**vars(args), **{o: ENTRY_OPTIONS[o] for o in options}})
-    model, train, test, schedule = build_run(args, level)
+    model, train, _, test, schedule = build_run(args, level)  # no validation: one test
     reset_peak_rss()  # count this level's training, not the imports before it
     step_times: list[float] = []
 
@@ -124,7 +137,7 @@ def _validate(args: argparse.Namespace, entries: list[str]) -> None:
     for entry in entries:
         parse_entry(entry)
     check_out_dir(args.out)
-    _, _, classes, shape = load_data(args)  # fail on bad data before spawning anything
+    _, _, _, classes, shape = load_data(args)  # fail on bad data before spawning anything
     for entry in entries:
         _, entry_args = _entry_args(args, entry)
         if entry_args.fp8:  # the model must have a layer that can run in float8
@@ -143,8 +156,17 @@ def _validate(args: argparse.Namespace, entries: list[str]) -> None:
 
 
 def _child(conn: Any, target: Callable[..., dict[str, Any]], args: Any, entry: str) -> None:
-    """In the level's process: run it, send ``("ok", row)`` or ``(status, reason, code)``."""
+    """In the level's process: run it, send ``("ok", row)`` or ``(status, reason, code)``.
+
+    SIGINT is ignored here (the process started with it blocked and ignored, see
+    :func:`_children_ignore_sigint`): Ctrl-C is the parent's to handle, which stops this
+    process itself, so no level prints a traceback or half-answers.
+    """
     from mixprec.cli import _one_line
+
+    if hasattr(signal, "pthread_sigmask"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     try:
         outcome: tuple = ("ok", target(args, entry))
@@ -170,21 +192,50 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Start processes inside this block with SIGINT blocked and ignored.
+
+    A process inherits both across ``exec``, so a level's process never turns Ctrl-C
+    into a ``KeyboardInterrupt`` (not even while it imports torch, before any code of
+    ours runs). In this process the signal is only blocked meanwhile, never lost: one
+    that arrives is delivered once the block ends.
+    """
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)  # before unblocking: a pending one is ours
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def run_level(
     args: argparse.Namespace,
     entry: str,
     target: Callable[..., dict[str, Any]] = _compare_one,
     poll_s: float = 0.2,
+    timeout_s: float | None = None,
 ) -> tuple[str, Any, int]:
     """Run ``target(args, entry)`` in a fresh process; ``("ok", row, 0)`` or
     ``(status, reason, exit_code)``. A process that dies without answering (a crash in
-    torch, the out-of-memory killer) is seen within ``poll_s``: nothing waits forever."""
+    torch, the out-of-memory killer) is seen within ``poll_s``, and one still running
+    after ``timeout_s`` seconds (alive but stuck) is stopped: ``("timeout", reason, 1)``.
+    Nothing waits forever, and no process outlives the call (Ctrl-C here included)."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child, args=(send, target, args, entry), daemon=True)
-    process.start()
+    with _children_ignore_sigint():
+        process.start()
     send.close()  # ours: the child's end stays open only in the child
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     outcome: tuple | None = None
+    timed_out = False
     try:
         while outcome is None:
             if receive.poll(poll_s):
@@ -195,17 +246,33 @@ def run_level(
             elif not process.is_alive():
                 if not receive.poll(0):
                     break
-        process.join(timeout=30)
+            elif deadline is not None and time.monotonic() > deadline:
+                timed_out = True
+                break
+        if not timed_out:
+            process.join(timeout=30)
     finally:
-        if process.is_alive():  # interrupted, or the child hangs after answering
+        if process.is_alive():  # stuck, interrupted, or it hangs after answering
             process.kill()
             process.join()
         receive.close()
+    if timed_out:
+        return (
+            "timeout",
+            f"still running after {timeout_s:g} s (--level-timeout): stopped",
+            1,
+        )
     if outcome is None:
         return "failed", f"its process died ({_exit_text(process.exitcode)})", 1
     if outcome[0] == "ok":
         return "ok", outcome[1], 0
     return outcome[0], outcome[1], outcome[2]
+
+
+#: The function each level's process runs, ``target(args, entry) -> row`` (a picklable
+#: module-level function: the process is spawned). A wrapper may replace it, e.g. to
+#: measure more, or a test, to make a level hang.
+level_target: Callable[..., dict[str, Any]] = _compare_one
 
 
 def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -217,29 +284,31 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not levels:
         raise UsageError(f"--levels: no level in {args.levels!r}; e.g. O0,O2,O2+compile")
     _validate(args, levels)
+    device = resolve_device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    t_start, took = time.perf_counter(), []
+    progress = _Progress(len(levels), quiet=args.quiet)
     for i, entry in enumerate(levels, 1):
-        if not args.quiet:
-            print(f"  [{i}/{len(levels)}] {entry}: training...", file=sys.stderr)
-        t0 = time.perf_counter()
-        status, found, code = run_level(args, entry)
-        took.append(time.perf_counter() - t0)
+        progress.start(i, entry)
+        try:
+            status, found, code = run_level(
+                args, entry, target=level_target, timeout_s=getattr(args, "level_timeout", None)
+            )
+        except KeyboardInterrupt:
+            rows.append({"config": entry, "entry": entry, "status": "interrupted",
+                         "reason": "Ctrl-C (SIGINT)", "exit_code": 130})  # fmt: skip
+            _save(args, rows, device)
+            done = sum(r["status"] != "interrupted" for r in rows)
+            raise KeyboardInterrupt(
+                f"interrupted during level {entry} ({i}/{len(levels)}); "
+                f"{args.out / 'compare.json'} holds the {done} level(s) done before it"
+            ) from None
         if status == "ok":
             rows.append({**found, "entry": entry, "status": "ok"})
         else:
             rows.append({"config": entry, "entry": entry, "status": status, "reason": found,
                          "exit_code": code})  # fmt: skip
-        if not args.quiet:
-            elapsed = time.perf_counter() - t_start
-            eta = statistics.mean(took) * (len(levels) - i)
-            what = rows[-1]["config"] if status == "ok" else f"{status}: {found}"
-            print(
-                f"  [{i}/{len(levels)}] {entry}: {what} in {took[-1]:.1f} s "
-                f"(elapsed {elapsed:.0f} s, ETA {eta:.0f} s)",
-                file=sys.stderr,
-            )
+        progress.end(i, entry, rows[-1]["config"] if status == "ok" else f"{status}: {found}")
     header = f"{'config':<25}{'accuracy':>9}{'loss':>8}{'ms/step':>9}{'peak MB':>9}{'skipped':>9}"
     print(header)
     print("-" * len(header))
@@ -251,11 +320,8 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
             f"{r['config']:<25}{r['accuracy']:>9.4f}{r['loss']:>8.4f}{r['step_ms']:>9.2f}"
             f"{r['peak_mb']:>9.0f}{r['skipped_steps']:>9d}"
         )
-    _write_json(args.out / "compare.json", _finite(rows))
-    ok = [r for r in rows if r["status"] == "ok"]
-    if ok:
-        plot_comparison(ok, args.out / "compare.png")
-    print(f"wrote compare.json{' and compare.png' if ok else ''} to {args.out}")
+    plotted = _save(args, rows, device)
+    print(f"wrote compare.json{' and compare.png' if plotted else ''} to {args.out}")
     failed = [r for r in rows if r["status"] != "ok"]
     if failed:
         code = (
@@ -270,6 +336,47 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
             code,
         )
     return rows
+
+
+class _Progress:
+    """``mixprec compare``'s progress lines on stderr: level i/N, elapsed, ETA."""
+
+    def __init__(self, total: int, quiet: bool) -> None:
+        self.total, self.quiet = total, quiet
+        self.t_start = time.perf_counter()
+        self.t_level = self.t_start
+        self.took: list[float] = []
+
+    def _times(self, left: int) -> str:
+        elapsed = time.perf_counter() - self.t_start
+        if not self.took:  # nothing to estimate from before the first level ends
+            return f"elapsed {elapsed:.0f} s, ETA unknown"
+        return f"elapsed {elapsed:.0f} s, ETA {statistics.mean(self.took) * left:.0f} s"
+
+    def start(self, i: int, entry: str) -> None:
+        self.t_level = time.perf_counter()
+        if not self.quiet:
+            print(f"  [{i}/{self.total}] {entry}: started ({self._times(self.total - i + 1)})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def end(self, i: int, entry: str, what: str) -> None:
+        self.took.append(time.perf_counter() - self.t_level)
+        if not self.quiet:
+            print(f"  [{i}/{self.total}] {entry}: {what} in {self.took[-1]:.1f} s "
+                  f"({self._times(self.total - i)})", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _save(args: argparse.Namespace, rows: list[dict[str, Any]], device: Any) -> bool:
+    """Write ``compare.json`` (every row) and ``compare.png`` (the levels that finished);
+    whether there was anything to plot."""
+    _write_json(args.out / "compare.json", _finite(rows))
+    ok = [r for r in rows if r["status"] == "ok"]
+    if ok:
+        epochs = f"{args.epochs} epoch{'s' if args.epochs != 1 else ''}"
+        data = "digits" if args.data is None else args.data.name
+        title = f"mixprec compare: {args.model} on {data}, {epochs}, {device}"
+        plot_comparison(ok, args.out / "compare.png", title=title)
+    return bool(ok)
 
 
 def _finite(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ def run_diagnose(args: argparse.Namespace) -> PrecisionReport:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     # Every input error surfaces here, before anything is written.
-    train, _, classes, shape = load_data(args)
+    train, _, _, classes, shape = load_data(args)
     torch.manual_seed(args.seed)
     network = build_model(args.model, classes, shape).to(device)
     t0 = time.perf_counter()

@@ -74,8 +74,10 @@ RUN_FILES = (
     "accuracy.png",
     "loss_scale.png",
 )
-#: The ``format`` entry of ``config.json``.
-RUN_FORMAT = "mixprec-run-1"
+#: The ``format`` entry of ``config.json``. 2: the validation part is carved from the
+#: training data (format 1 trained on all of it), so a format-1 run cannot continue
+#: exactly here and is refused.
+RUN_FORMAT = "mixprec-run-2"
 #: Checkpoints a run keeps: the newest two, so a corrupt newest one has a fallback.
 KEEP_LAST = 2
 #: Settings a resumed run takes from its folder; a given option must agree with them.

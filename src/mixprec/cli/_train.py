@@ -41,6 +41,7 @@ from mixprec.cli._run_folder import (
     prepare_out,
     resume_settings,
 )
+from mixprec.cli._torchrun import failing
 from mixprec.loss_scale import LossScale, ScaleCollapseError, loss_scale_from_spec
 from mixprec.train._atomic import atomic_write
 from mixprec.train._distributed import (
@@ -70,7 +71,7 @@ from mixprec.train.data import (
     infer_num_classes,
     load_csv,
     load_npz,
-    train_test_loaders,
+    train_val_test_loaders,
 )
 from mixprec.train.models import build_model
 
@@ -97,9 +98,14 @@ def check_out_dir(out: Path) -> None:
 
 
 def load_data(args: argparse.Namespace):
-    """Train and test loaders, the number of classes and one sample's shape."""
+    """Train, validation and test loaders, the number of classes and one sample's shape.
+
+    The validation part is carved from the training part
+    (:func:`~mixprec.train.data.train_val_test_loaders`): ``val_accuracy`` each epoch
+    never looks at the test set, which is evaluated once, at the end.
+    """
     if args.data is None:
-        train, test = train_test_loaders(batch_size=args.batch_size, seed=args.seed)
+        train, val, test = train_val_test_loaders(batch_size=args.batch_size, seed=args.seed)
     else:
         suffix = args.data.suffix.lower()
         if suffix not in (".npz", ".csv"):
@@ -111,10 +117,15 @@ def load_data(args: argparse.Namespace):
             x, y = (load_npz if suffix == ".npz" else load_csv)(args.data)
         for warning in caught:  # e.g. a header row of column numbers: one line each
             print(f"mixprec: warning: {' '.join(str(warning.message).split())}", file=sys.stderr)
-        train, test = train_test_loaders(x, y, batch_size=args.batch_size, seed=args.seed)
-    x_all = train.dataset.tensors[0]
-    classes = infer_num_classes(torch.cat([train.dataset.tensors[1], test.dataset.tensors[1]]))
-    return train, test, classes, tuple(x_all.shape[1:])
+        try:
+            train, val, test = train_val_test_loaders(
+                x, y, batch_size=args.batch_size, seed=args.seed
+            )
+        except DataError as err:
+            raise DataError(f"--data {args.data}: {err}") from None
+    labels = [loader.dataset.tensors[1] for loader in (train, val, test)]
+    classes = infer_num_classes(torch.cat(labels))
+    return train, val, test, classes, tuple(train.dataset.tensors[0].shape[1:])
 
 
 def _loss_scale(text: str) -> LossScale:
@@ -139,12 +150,12 @@ def _to_float8(network: torch.nn.Module, args: argparse.Namespace) -> Float8Repo
 def build_run(args: argparse.Namespace, level: str):
     """Seeded data, model, Model wrapper and LR schedule for one configuration.
 
-    Returns ``(model, train_loader, test_loader, schedule)``.
+    Returns ``(model, train_loader, val_loader, test_loader, schedule)``.
     """
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
-    train, test, classes, shape = load_data(args)
+    train, val, test, classes, shape = load_data(args)
     train = shard_loader(train, args.seed)  # under torchrun: this rank's share
     torch.manual_seed(args.seed)
     network = build_model(args.model, classes, shape)
@@ -167,8 +178,8 @@ def build_run(args: argparse.Namespace, level: str):
         device=device,
         compile=bool(getattr(args, "compile", False)),
     )
-    _check_range(args, model, train, test)
-    return model, train, test, schedule
+    _check_range(args, model, train, val, test)
+    return model, train, val, test, schedule
 
 
 def _check_range(args: argparse.Namespace, model: Model, *loaders: Any) -> None:
@@ -192,6 +203,17 @@ def _check_range(args: argparse.Namespace, model: Model, *loaders: Any) -> None:
 
 
 # -- mixprec train -----------------------------------------------------------------------
+
+
+def _interrupted_text(out: Path) -> str:
+    """The one line of an interrupted run: where it stopped and how to go on."""
+    saved = ModelCheckpoint(out / "checkpoints").existing()
+    how = (
+        f"resume it from {saved[-1].name} with: mixprec train --resume {out}"
+        if saved
+        else f"no epoch had finished; start again with: mixprec train --out {out} --overwrite"
+    )
+    return f"interrupted in {out}; {how}"
 
 
 def _relayout(schedule: LRScheduler, optimizer: Any, lr: float, total_steps: int) -> None:
@@ -282,12 +304,18 @@ def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
 
 
 def _write_results(
-    out: Path, config, model, history, seconds, final, diverged=None, precision=None, float8=None
-) -> dict:
+    out: Path, config, model, history, seconds, final, diverged=None, precision=None, float8=None,
+    sizes=None,
+) -> dict:  # fmt: skip
     opt = model.optimizer
+    val = history.metrics
     summary = {
         "test_accuracy": None if final is None else final["accuracy"],
         "test_loss": None if final is None else final["loss"],
+        # The last epoch's validation numbers (the part carved from the training data).
+        "val_accuracy": val["val_accuracy"][-1] if val.get("val_accuracy") else None,
+        "val_loss": val["val_loss"][-1] if val.get("val_loss") else None,
+        "samples": sizes,
         "epochs": history.epochs[-1] if history.epochs else 0,
         "steps": len(history.losses),
         "skipped_steps": int(opt.skipped_steps),
@@ -319,14 +347,16 @@ def _write_results(
     plot_accuracy(
         {
             "train": history.metrics.get("accuracy", []),
-            "test": history.metrics.get("val_accuracy", []),
+            "validation": history.metrics.get("val_accuracy", []),
         },
         out / "accuracy.png",
+        test=summary["test_accuracy"],
     )
     underflow = None if precision is None else precision.underflow_series()
     plot_loss_scale(
-        history.loss_scales, history.skipped, out / "loss_scale.png", underflow=underflow
-    )
+        history.loss_scales, history.skipped, out / "loss_scale.png", underflow=underflow,
+        dtype=config["dtype"] if config["amp_level"] != "O0" else "float32",
+    )  # fmt: skip
     return summary
 
 
@@ -338,50 +368,93 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     :data:`DIVERGED` after writing what it has when the run diverges.
     """
     given = fill_defaults(args)
-    checkpoint, lock, done, warning = None, None, 0, None
+    checkpoint, done, warning = None, 0, None
+    held: list[RunLock] = []  # the run folder's lock, once rank 0 has taken it
     try:
-        if args.resume is not None:
-            if args.resume.is_dir() and is_main_process():  # before the folder is read
-                lock = RunLock(args.resume, "--resume").acquire()
-            args = resume_settings(args, given)
-            checkpoint, done, warning = pick_checkpoint(args.resume, resolve_device(args.device))
-            if args.epochs < done:
-                raise UsageError(
-                    f"--epochs {args.epochs}: the run in {args.resume} has already done {done} "
-                    f"epochs; pass --epochs {done} or more"
-                )
-            if (args.resume / "metrics.csv").is_file():
-                CSVLogger.read(args.resume / "metrics.csv")  # damaged: refused, by name
-        else:
-            args.out = Path("runs/train") if args.out is None else args.out
-            check_out_dir(args.out)
-            if is_main_process():  # before the folder is looked at: one run at a time
-                flag = "--overwrite" if args.overwrite else "--out"
-                lock = RunLock(args.out, flag).acquire()
-            check_new_out(args.out, args.overwrite)
-            if args.level == "auto" and "dtype" in given:
-                raise UsageError(
-                    f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by "
-                    "the hardware; leave --dtype out, or name a level"
-                )
-            args.data = None if args.data is None else args.data.resolve()  # resumable anywhere
+        try:
+            checkpoint, done, warning = _check_inputs(args, given, held)
+        except Exception as err:  # noqa: BLE001 - every rank hears of it, then it is raised
+            _agree(err)
+        _agree(None)
         # Every input error surfaces here, before anything is written.
-        model, train, test, schedule = build_run(args, args.level)
+        model, train, val, test, schedule = build_run(args, args.level)
         out = args.out
         if checkpoint is None:
             run_on_main(prepare_out, out, args.overwrite)
     except BaseException:
-        if lock is not None:
+        for lock in held:
             lock.release(remove_created=checkpoint is None)
         raise
     try:
-        return _train(args, model, train, test, schedule, checkpoint, done, warning)
+        return _train(args, model, train, val, test, schedule, checkpoint, done, warning)
     finally:
-        if lock is not None:
+        for lock in held:
             lock.release()
 
 
-def _train(args, model, train, test, schedule, checkpoint, done, warning) -> dict[str, Any]:  # noqa: ANN001
+def _check_inputs(args: argparse.Namespace, given: set[str], held: list[RunLock]) -> tuple:
+    """Check ``--resume`` or ``--out`` and settle ``args`` (in place), taking the run
+    folder's lock on rank 0 into ``held``; ``(checkpoint, epochs done, warning)``."""
+    checkpoint, done, warning = None, 0, None
+    if args.resume is not None:
+        if args.resume.is_dir() and is_main_process():  # before the folder is read
+            held.append(RunLock(args.resume, "--resume").acquire())
+        resume_settings(args, given)  # settles args in place
+        checkpoint, done, warning = pick_checkpoint(args.resume, resolve_device(args.device))
+        if args.epochs < done:
+            raise UsageError(
+                f"--epochs {args.epochs}: the run in {args.resume} has already done {done} "
+                f"epochs; pass --epochs {done} or more"
+            )
+        if (args.resume / "metrics.csv").is_file():
+            CSVLogger.read(args.resume / "metrics.csv")  # damaged: refused, by name
+    else:
+        args.out = Path("runs/train") if args.out is None else args.out
+        check_out_dir(args.out)
+        if is_main_process():  # before the folder is looked at: one run at a time
+            flag = "--overwrite" if args.overwrite else "--out"
+            held.append(RunLock(args.out, flag).acquire())
+        check_new_out(args.out, args.overwrite)
+        if args.level == "auto" and "dtype" in given:
+            raise UsageError(
+                f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by "
+                "the hardware; leave --dtype out, or name a level"
+            )
+        args.data = None if args.data is None else args.data.resolve()  # resumable anywhere
+    return checkpoint, done, warning
+
+
+def _agree(error: Exception | None) -> None:
+    """Raise ``error``; under torchrun, first tell every rank whether any rank failed.
+
+    Only rank 0 takes the run folder's lock, so a held folder fails there alone: without
+    this, the other ranks would go on into the first collective of training and be
+    killed by torchrun, silent. With it every rank raises (its own error, or the first
+    failing rank's), prints the same one line and exits with the same code.
+    """
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return
+    import pickle
+
+    import torch.distributed as dist
+
+    mine: Exception | None = error
+    if error is not None:
+        try:
+            pickle.dumps(error)
+        except Exception:  # noqa: BLE001 - sent as its one line instead
+            mine = UsageError(" ".join(str(error).split()))
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, mine)
+    first = next((e for e in found if e is not None), None)
+    if first is not None:
+        failing()  # every rank is on its way out now: torchrun's SIGTERM must not cut it
+        raise error if error is not None else first
+
+
+def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -> dict[str, Any]:  # noqa: ANN001
     out = args.out
     if checkpoint is not None:
         # Half-written checkpoints of a process that died mid-save (the folder is ours:
@@ -407,6 +480,8 @@ def _train(args, model, train, test, schedule, checkpoint, done, warning) -> dic
               + "; ".join(f"{n} ({why})" for n, why in report.skipped.items()))  # fmt: skip
         float8 = Float8Monitor()
     history = History()
+    sizes = {name: len(loader.dataset) for name, loader in
+             (("train", train), ("validation", val), ("test", test))}  # fmt: skip
     # Gradient underflow beside the loss scale (sampled every 100 steps, no syncs between).
     low = model.amp_level != "O0" and model.dtype in (torch.float16, torch.bfloat16)
     precision = PrecisionMonitor(dtype=model.dtype, verbose=not args.quiet) if low else None
@@ -424,35 +499,38 @@ def _train(args, model, train, test, schedule, checkpoint, done, warning) -> dic
     callbacks = for_this_rank(callbacks, args.seed)  # under torchrun: rank 0 alone writes
     t0 = time.perf_counter()
     try:
-        model.train(args.epochs, train, callbacks=callbacks, resume=checkpoint, eval_dataset=test)
-    except DIVERGED as err:
+        try:
+            model.train(
+                args.epochs, train, callbacks=callbacks, resume=checkpoint, eval_dataset=val
+            )
+        except DIVERGED as err:
+            seconds = time.perf_counter() - t0
+            _write_results(
+                out, config, model, history, seconds, None, str(err), precision, float8, sizes
+            )
+            print(f"wrote metrics.json, loss.png, accuracy.png, loss_scale.png to {out} (diverged)")
+            raise
         seconds = time.perf_counter() - t0
-        _write_results(out, config, model, history, seconds, None, str(err), precision, float8)
-        print(f"wrote metrics.json, loss.png, accuracy.png, loss_scale.png to {out} (diverged)")
-        raise
+        final = model.eval(test)  # the test set's one evaluation
+        failed = None
+        steps, skipped = len(history.losses), int(model.optimizer.skipped_steps)
+        try:  # a run that skipped (nearly) every step learned nothing: a failed run
+            scale = f" (loss scale {args.loss_scale}, {_name(model.dtype)})"
+            check_skipped(skipped, steps, args.max_skipped_fraction or 1.0, scale)
+        except DIVERGED as err:
+            failed = err
+        summary = _write_results(
+            out, config, model, history, seconds, final, None if failed is None else str(failed),
+            precision, float8, sizes,
+        )  # fmt: skip
     except KeyboardInterrupt:
-        saved = ModelCheckpoint(out / "checkpoints").existing()
-        how = (
-            f"resume it from {saved[-1].name} with: mixprec train --resume {out}"
-            if saved
-            else f"no epoch had finished; start again with: mixprec train --out {out} --overwrite"
-        )
-        raise Interrupted(f"interrupted in {out}; {how}") from None
-    seconds = time.perf_counter() - t0
-    final = model.eval(test)
-    failed = None
-    steps, skipped = len(history.losses), int(model.optimizer.skipped_steps)
-    try:  # a run that skipped (nearly) every step learned nothing: a failed run
-        scale = f" (loss scale {args.loss_scale}, {_name(model.dtype)})"
-        check_skipped(skipped, steps, args.max_skipped_fraction or 1.0, scale)
-    except DIVERGED as err:
-        failed = err
-    summary = _write_results(
-        out, config, model, history, seconds, final, None if failed is None else str(failed),
-        precision, float8,
-    )  # fmt: skip
+        # Every file is written whole or not at all (atomic_write), so what is on disk is
+        # the finished epochs' checkpoints and rows: resuming redoes the rest, the final
+        # test evaluation and results included.
+        raise Interrupted(_interrupted_text(out)) from None
     print(
         f"test accuracy: {final['accuracy']:.4f}  test loss: {final['loss']:.4f}  "
+        f"({sizes['test']} test samples, evaluated once)  "
         f"skipped steps: {summary['skipped_steps']}/{summary['steps']}  "
         f"loss scale: {summary['final_loss_scale']:g}  ({seconds:.1f} s)"
     )

@@ -79,15 +79,32 @@ def plot_loss(
     _save(fig, path, {"losses": list(losses), "epoch_losses": list(epoch_losses)})
 
 
-def plot_accuracy(accuracies: Mapping[str, Sequence[float]], path: str | Path) -> None:
-    """Accuracy per epoch, one line per series (e.g. ``train``, ``test``)."""
+def plot_accuracy(
+    accuracies: Mapping[str, Sequence[float]], path: str | Path, test: float | None = None
+) -> None:
+    """Accuracy per epoch, one line per series (e.g. ``train``, ``validation``).
+
+    ``test``: the test accuracy, measured once after the last epoch, drawn as one point
+    there (it is not a per-epoch series: the test set is not looked at while training).
+    """
     fig, ax = _pyplot().subplots(figsize=(7, 4))
+    last = 0
     for name, values in accuracies.items():
         ax.plot(range(1, len(values) + 1), values, "o-", label=name)
+        last = max(last, len(values))
+    data: dict = {name: list(v) for name, v in accuracies.items()}
+    if test is not None:
+        label = f"test (once, at the end): {test:.4f}"
+        ax.plot([last], [test], "*", ms=14, color="tab:red", label=label)
+        data["test"] = test
     ax.set(xlabel="epoch", ylabel="accuracy", title="Accuracy", ylim=(0, 1.02))
-    ax.legend()
+    ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
-    _save(fig, path, {name: list(v) for name, v in accuracies.items()})
+    _save(fig, path, data)
+
+
+#: The text ``loss_scale.png`` shows for a dtype that needs no loss scaling.
+NO_SCALING_NOTE = "bfloat16: no scaling needed"
 
 
 def plot_loss_scale(
@@ -95,12 +112,22 @@ def plot_loss_scale(
     skipped: Sequence[bool],
     path: str | Path,
     underflow: tuple[Sequence[int], Sequence[float]] | None = None,
+    dtype: str | None = None,
 ) -> None:
     """The loss scale after each step (log scale), skipped steps marked with red crosses.
 
     ``underflow``: ``(steps, fractions)`` of sampled gradient underflow (for example
     ``PrecisionMonitor.underflow_series()``), drawn against a second axis on the right.
+
+    ``dtype``: the run's low-precision dtype. For ``"bfloat16"`` (float32's exponent
+    range: gradients do not underflow for want of a scale) the plot is the gradient
+    underflow fraction, headed :data:`NO_SCALING_NOTE`, with the scale in use and the
+    skipped steps in a note, rather than a flat line; for ``"float32"`` (level O0) it says
+    that nothing is scaled. The embedded data is the same either way, plus ``note``.
     """
+    if dtype in ("bfloat16", "float32"):
+        _plot_unscaled(scales, skipped, path, underflow, dtype)
+        return
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     steps = list(range(1, len(scales) + 1))
     ax.step(steps, scales, where="post", label="loss scale")
@@ -126,15 +153,71 @@ def plot_loss_scale(
     _save(fig, path, data)
 
 
-def plot_comparison(rows: Sequence[Mapping], path: str | Path) -> None:
-    """Bar charts of test accuracy and step time per configuration (``mixprec compare``)."""
+def _plot_unscaled(
+    scales: Sequence[float],
+    skipped: Sequence[bool],
+    path: str | Path,
+    underflow: tuple[Sequence[int], Sequence[float]] | None,
+    dtype: str,
+) -> None:
+    """``loss_scale.png`` for a run whose dtype needs no loss scaling."""
+    fig, ax = _pyplot().subplots(figsize=(7, 4))
+    steps = list(range(1, len(scales) + 1))
+    marked = [s for s, skip in zip(steps, skipped) if skip]
+    note = NO_SCALING_NOTE if dtype == "bfloat16" else "float32 (level O0): nothing is scaled"
+    data: dict = {"scales": list(scales), "skipped_steps": marked, "note": note}
+    if underflow is not None and len(underflow[0]):
+        at, fractions = list(underflow[0]), [float(f) for f in underflow[1]]
+        ax.plot(at, fractions, "o-", color="tab:orange", ms=3, lw=1, label="gradient underflow")
+        ax.set_ylim(bottom=0, top=max(max(fractions) * 1.2, 1e-3))
+        data.update(underflow_steps=at, underflow_fractions=fractions)
+        ax.set(xlabel="step", ylabel="fraction of gradient values underflowing")
+    else:
+        ax.set(xlabel="step", yticks=[])
+    for i, s in enumerate(marked):
+        ax.axvline(s, color="tab:red", lw=0.8, alpha=0.6, label="skipped step" if i == 0 else None)
+    if steps:
+        ax.set_xlim(0.5, steps[-1] + 0.5)  # the first sample (step 1) off the frame edge
+    used = sorted(set(scales))
+    used_text = (
+        "no steps"
+        if not used
+        else f"loss scale {used[0]:g} throughout"
+        if len(used) == 1
+        else f"loss scale {used[0]:g} to {used[-1]:g}"
+    )
+    ax.set_title(note)
+    ax.text(
+        0.02, 0.95, f"{used_text}; {len(marked)} skipped step(s) of {len(steps)}",
+        transform=ax.transAxes, va="top", fontsize=9,
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
+    )  # fmt: skip
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right")
+    ax.grid(alpha=0.3)
+    _save(fig, path, data)
+
+
+def plot_comparison(rows: Sequence[Mapping], path: str | Path, title: str | None = None) -> None:
+    """Bar charts of test accuracy, step time and peak memory per configuration
+    (``mixprec compare``), each bar labelled with its value; ``title`` heads the figure
+    (e.g. the model, epochs and device)."""
     names = [str(r["config"]) for r in rows]
-    fig, axes = _pyplot().subplots(1, 2, figsize=(10, 4))
-    axes[0].bar(names, [r["accuracy"] for r in rows], color="tab:green")
-    axes[0].set(ylabel="test accuracy", ylim=(0, 1.02), title="Accuracy")
-    axes[1].bar(names, [r["step_ms"] for r in rows], color="tab:blue")
-    axes[1].set(ylabel="ms / step", title="Step time")
-    for ax in axes:
+    fig, axes = _pyplot().subplots(1, 3, figsize=(14, 4.5))
+    panels = (
+        ("accuracy", "test accuracy", "Accuracy", "tab:green", "{:.3f}"),
+        ("step_ms", "ms / step (median)", "Step time", "tab:blue", "{:.2f}"),
+        ("peak_mb", "peak memory (MB)", "Memory", "tab:purple", "{:.0f}"),
+    )
+    for ax, (key, ylabel, name, color, fmt) in zip(axes, panels):
+        values = [float(r[key]) for r in rows]
+        bars = ax.bar(names, values, color=color)
+        ax.bar_label(bars, labels=[fmt.format(v) for v in values], padding=2, fontsize=8)
+        ax.set(ylabel=ylabel, title=name)
+        top = max((v for v in values if v == v), default=1.0)  # NaN-safe
+        ax.set_ylim(0, (1.02 if key == "accuracy" else top) * 1.15 or 1.0)
         ax.tick_params(axis="x", rotation=30)
         ax.grid(alpha=0.3, axis="y")
-    _save(fig, path, {"rows": [dict(r) for r in rows]})
+    if title:
+        fig.suptitle(title)
+    _save(fig, path, {"rows": [dict(r) for r in rows], "title": title})

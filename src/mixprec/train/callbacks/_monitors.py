@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import IO, TYPE_CHECKING, Any
@@ -109,15 +110,50 @@ class LossScaleMonitor(Callback):
             )
 
 
+def scale_text(scale: float) -> str:
+    """A loss scale in at most 6 characters: ``65536``, ``2^24``, ``1e-05``, ``3.3e+07``.
+
+    >>> scale_text(32768.0), scale_text(2.0**24), scale_text(1.0), scale_text(3e7)
+    ('32768', '2^24', '1', '3e+07')
+    """
+    text = f"{scale:g}"
+    if len(text) <= 6 or not math.isfinite(scale) or scale <= 0:
+        return text
+    mantissa, exponent = math.frexp(scale)
+    if mantissa == 0.5:  # a power of two, as dynamic loss scales are
+        return f"2^{exponent - 1}"
+    return f"{scale:.2g}"
+
+
+def rate_text(samples_per_s: float) -> str:
+    """Samples per second in a few characters: ``950/s``, ``12k/s``, ``3.4M/s``.
+
+    >>> rate_text(950.4), rate_text(12345.0), rate_text(3.4e6)
+    ('950/s', '12k/s', '3.4M/s')
+    """
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if samples_per_s >= 10 * size or (unit == "M" and samples_per_s >= size):
+            value = samples_per_s / size
+            return f"{value:.0f}{unit}/s" if value >= 10 else f"{value:.1f}{unit}/s"
+    return f"{samples_per_s:.0f}/s"
+
+
 class ProgressBar(Callback):
     """Show progress: live tqdm bars on a terminal, one line per epoch elsewhere.
 
-    Live (``live=True``, or by default when the output is a terminal): an epoch bar and
-    a step bar whose postfix shows the last loss, the loss scale, the total of skipped
-    steps and samples per second; the epoch bar shows the epoch metrics. Bars go to
-    ``file`` (default: standard error). Not live (output redirected to a file or a
-    pipe, where redrawn bars would pile up as hundreds of lines): one line per epoch,
-    to ``file`` (default: standard output)::
+    Live (``live=True``, or by default when the output is a terminal): an epoch bar
+    (percentage, epochs, elapsed and remaining time, the last epoch's loss and validation
+    accuracy) and a step bar. The step bar's numbers come before the bar itself and fit
+    an 80-column terminal whole (the bar shrinks; the numbers are never cut off)::
+
+        epoch 3 12/41, loss 0.4123  scale 2^15  skipped 0  9.8k/s |████▍         |
+
+    (``scale``: the loss scale, powers of two above 6 digits as ``2^k``; ``skipped``: the
+    run's total of skipped steps; then samples per second.) Bars go to ``file``
+    (default: standard error). Not live (output redirected to a file or a pipe, where
+    redrawn bars would pile up as hundreds of lines): one line per epoch, to ``file``
+    (default: standard output), every line with the same columns in the same order (a
+    metric an epoch did not report shows ``nan``)::
 
         epoch 3/15  loss 0.1234  accuracy 0.9712  scale 32768  skipped 0  (0.3 s)
 
@@ -134,6 +170,14 @@ class ProgressBar(Callback):
     >>> print(out.getvalue().replace(bar.last_seconds, "T"), end="")
     epoch 1/2  loss 0.5  accuracy 0.75  scale 1024  skipped 0  (T s)
     """
+
+    #: The step bar: its numbers (tqdm's postfix, after ", ") before the bar, which takes
+    #: the columns left.
+    STEP_FORMAT = "{desc} {n_fmt}/{total_fmt}{postfix} |{bar}|"
+    #: The epoch bar, with the last epoch's loss and validation accuracy as its postfix.
+    EPOCH_FORMAT = (
+        "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}{postfix}"
+    )
 
     def __init__(
         self,
@@ -153,6 +197,7 @@ class ProgressBar(Callback):
         self._step_bar: tqdm | None = None
         self._lines = False
         self._epoch_start = 0.0
+        self._columns: list[str] = []  # the metric names of the epoch lines, first seen first
 
     def _is_live(self) -> bool:
         if self.live is not None:
@@ -178,7 +223,11 @@ class ProgressBar(Callback):
         if self._lines:
             return
         self._epoch_bar = self._bar(
-            total=state.epochs, initial=state.epoch, desc="training", unit="epoch"
+            total=state.epochs,
+            initial=state.epoch,
+            desc="training",
+            unit="epoch",
+            bar_format=self.EPOCH_FORMAT,
         )
 
     def on_epoch_begin(self, state: RunState) -> None:
@@ -187,19 +236,21 @@ class ProgressBar(Callback):
         if self._lines or self._epoch_bar is None:
             return
         self._step_bar = self._bar(
-            total=state.steps_per_epoch, desc=f"epoch {state.epoch}", unit="step", leave=False
+            total=state.steps_per_epoch,
+            desc=f"epoch {state.epoch}",
+            unit="step",
+            leave=False,
+            bar_format=self.STEP_FORMAT,
         )
 
     def on_step_end(self, state: RunState) -> None:
-        """Advance the step bar and refresh its postfix."""
+        """Advance the step bar and refresh its numbers."""
         if self._step_bar is None:
             return
         # refresh=False: tqdm redraws at most every mininterval, not on every step.
-        self._step_bar.set_postfix(
-            loss=format_loss(state.loss),
-            scale=f"{state.loss_scale:g}",
-            skipped=state.skipped_steps,
-            samples_s=f"{state.samples_per_s:.0f}",
+        self._step_bar.set_postfix_str(
+            f"loss {state.loss:.4g}  scale {scale_text(state.loss_scale)}  "
+            f"skipped {state.skipped_steps}  {rate_text(state.samples_per_s)}",
             refresh=False,
         )
         self._step_bar.update(1)
@@ -209,7 +260,8 @@ class ProgressBar(Callback):
         if self._lines:
             self.last_seconds = f"{time.perf_counter() - self._epoch_start:.1f}"
             total = f"/{state.epochs}" if state.epochs else ""
-            metrics = "".join(f"  {k} {v:.4g}" for k, v in state.metrics.items())
+            self._columns += [k for k in state.metrics if k not in self._columns]
+            metrics = "".join(f"  {k} {state.metrics.get(k, math.nan):.4g}" for k in self._columns)
             print(
                 f"epoch {state.epoch}{total}{metrics}  scale {state.loss_scale:g}  "
                 f"skipped {state.skipped_steps}  ({self.last_seconds} s)",
@@ -221,8 +273,9 @@ class ProgressBar(Callback):
             self._step_bar.close()
             self._step_bar = None
         if self._epoch_bar is not None:
-            self._epoch_bar.set_postfix(
-                {k: f"{v:.4g}" for k, v in state.metrics.items()}, refresh=False
+            shown = [k for k in ("loss", "val_accuracy") if k in state.metrics]
+            self._epoch_bar.set_postfix_str(
+                "  ".join(f"{k} {state.metrics[k]:.4g}" for k in shown), refresh=False
             )
             self._epoch_bar.update(1)
 

@@ -8,8 +8,8 @@ optimizer (its step hooks) and the trainer's model (for names), and
   the exponent range, and the worst layers (``samples``);
 * on every skipped step names the gradients that held inf/NaN (``overflows``,
   and a line like ``step 12: overflow in `fc1.weight` gradient (loss scale 32768)``);
-* at each epoch's end puts ``grad_underflow`` (the mean over the epoch's samples)
-  and ``grad_overflow_steps`` into ``state.metrics``, so a :class:`CSVLogger` or
+* at each epoch's end puts ``grad_underflow`` (the mean over the epoch's samples,
+  ``nan`` in an epoch without one) and ``grad_overflow_steps`` into ``state.metrics``, so a :class:`CSVLogger` or
   :class:`History` placed *after* it records them.
 
 Host syncs: none on steps that neither sample nor overflow; one to read a sample and
@@ -35,6 +35,7 @@ one to name an overflow (per device and dtype of the gradients). ``summary()`` i
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import IO, TYPE_CHECKING, Any
 
@@ -136,8 +137,10 @@ class PrecisionMonitor(Callback):
 
     def on_epoch_end(self, state: RunState) -> None:
         """Put this epoch's ``grad_underflow`` and ``grad_overflow_steps`` into the metrics."""
-        if self._epoch_samples:
-            state.metrics["grad_underflow"] = statistics.fmean(self._epoch_samples)
+        # Always present, so that logs and progress lines keep one set of columns: nan
+        # when no step of this epoch was sampled (``every`` spans epochs).
+        samples = self._epoch_samples
+        state.metrics["grad_underflow"] = statistics.fmean(samples) if samples else math.nan
         state.metrics["grad_overflow_steps"] = float(self._epoch_overflows)
 
     def on_train_end(self, state: RunState) -> None:

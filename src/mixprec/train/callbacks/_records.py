@@ -12,7 +12,10 @@ from mixprec._checks import check_instance
 from mixprec.train._atomic import append_text, atomic_write
 from mixprec.train.callbacks._base import Callback, RunState
 
-__all__ = ["History", "CSVLogger"]
+__all__ = ["History", "CSVLogger", "MISSING"]
+
+#: What :class:`CSVLogger` writes for a value an epoch did not report.
+MISSING = "nan"
 
 
 class History(Callback):
@@ -84,8 +87,11 @@ class CSVLogger(Callback):
 
     Columns: ``epoch, step, loss_scale, skipped_steps, samples_per_s`` and then each
     metric name in first-seen order. A metric that appears in a later epoch (e.g.
-    validation every few epochs) adds a column and the file is rewritten with it;
-    missing values are left empty. The file is closed after every row, so it is
+    validation every few epochs) adds a column and the file is rewritten with it. No
+    cell is blank: a value an epoch did not report is written ``nan`` (:data:`MISSING`),
+    as a metric that was not measured (e.g. ``grad_underflow`` in an epoch with no
+    sampled step) reports it, so every row has every column and reads back as
+    numbers. The file is closed after every row, so it is
     complete whenever a run stops. With ``append=True`` an existing file is kept,
     minus rows for epochs after the one a resumed run starts from.
 
@@ -118,7 +124,11 @@ class CSVLogger(Callback):
             fields, rows = self.read(self.path)
             self._fields.extend(name for name in fields if name not in self._fields)
             # Rows past the resume point belong to the abandoned part of the old run.
-            self._rows = [r for r in rows if int(r["epoch"]) <= state.epoch]
+            self._rows = [
+                {k: MISSING if v in ("", None) else v for k, v in r.items()}  # older blanks
+                for r in rows
+                if int(r["epoch"]) <= state.epoch
+            ]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._rewrite()
 
@@ -153,7 +163,7 @@ class CSVLogger(Callback):
     def _rewrite(self) -> None:
         def write(f: Any) -> None:
             text = io.StringIO(newline="")
-            writer = csv.DictWriter(text, fieldnames=self._fields, restval="")
+            writer = csv.DictWriter(text, fieldnames=self._fields, restval=MISSING)
             writer.writeheader()
             writer.writerows(self._rows)
             f.write(text.getvalue().encode("utf-8"))
@@ -178,5 +188,5 @@ class CSVLogger(Callback):
             self._rewrite()
             return
         text = io.StringIO(newline="")
-        csv.DictWriter(text, fieldnames=self._fields, restval="").writerow(row)
+        csv.DictWriter(text, fieldnames=self._fields, restval=MISSING).writerow(row)
         append_text(self.path, text.getvalue())

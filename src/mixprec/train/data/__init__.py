@@ -5,8 +5,9 @@
   seeded stratified split.
 - :func:`load_npz`, :func:`load_csv`: a user's own data, validated; every
   problem raises :class:`DataError` (a ``ValueError``) with a one-line message.
-- :func:`make_loaders`, :func:`train_test_loaders`: ``DataLoader`` objects whose
-  shuffling is reproducible from a seed.
+- :func:`make_loaders`, :func:`train_test_loaders`, :func:`train_val_test_loaders`:
+  ``DataLoader`` objects whose shuffling is reproducible from a seed (the last also
+  carves a validation part out of the training part, apart from the test set).
 
 >>> from mixprec.train.data import train_test_loaders
 >>> train, test = train_test_loaders(batch_size=32, seed=0)
@@ -17,7 +18,7 @@
 
 from ._digits import DIGITS_MAX_PIXEL, DIGITS_NUM_CLASSES, load_digits, stratified_split
 from ._files import LABEL_COLUMN, load_csv, load_npz
-from ._loaders import make_loaders, train_test_loaders
+from ._loaders import VAL_FRACTION, make_loaders, train_test_loaders, train_val_test_loaders
 from ._validate import DataError, DataFileNotFoundError, check_arrays, infer_num_classes
 
 __all__ = [
@@ -34,4 +35,6 @@ __all__ = [
     "make_loaders",
     "stratified_split",
     "train_test_loaders",
+    "train_val_test_loaders",
+    "VAL_FRACTION",
 ]

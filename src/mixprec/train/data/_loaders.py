@@ -21,8 +21,12 @@ from torch.utils.data import DataLoader, TensorDataset
 from mixprec._checks import check_instance, check_number
 
 from ._digits import _check_seed, load_digits, stratified_split
+from ._validate import DataError
 
-__all__ = ["make_loaders", "train_test_loaders"]
+__all__ = ["make_loaders", "train_test_loaders", "train_val_test_loaders", "VAL_FRACTION"]
+
+#: The share of the training part :func:`train_val_test_loaders` holds out for validation.
+VAL_FRACTION = 0.1
 
 
 def _check_batch_size(name: str, value: int) -> int:
@@ -114,3 +118,60 @@ def train_test_loaders(
     train_loader = make_loaders(*train, batch_size, shuffle=True, seed=seed, pin_memory=pin_memory)
     test_loader = make_loaders(*test, eval_bs, shuffle=False, seed=seed, pin_memory=pin_memory)
     return train_loader, test_loader
+
+
+def train_val_test_loaders(
+    x: torch.Tensor | None = None,
+    y: torch.Tensor | None = None,
+    *,
+    batch_size: int = 64,
+    eval_batch_size: int | None = None,
+    val_fraction: float = VAL_FRACTION,
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    image: bool = True,
+    pin_memory: bool = False,
+) -> tuple[DataLoader, DataLoader, DataLoader]:
+    """Return ``(train_loader, val_loader, test_loader)``: validation carved from training.
+
+    The test part is the one :func:`train_test_loaders` holds out (same ``test_fraction``
+    and ``seed``); ``val_fraction`` of the rest, per class, becomes the validation part
+    (a second :func:`stratified_split` of the training part, with the same ``seed``), so
+    choices made on validation numbers never see the test set. The three parts are
+    disjoint and depend only on the labels, the fractions and ``seed``. The validation
+    and test loaders keep order and use ``eval_batch_size`` (default: ``batch_size``).
+
+    >>> train, val, test = train_val_test_loaders(batch_size=128)
+    >>> len(train.dataset), len(val.dataset), len(test.dataset)
+    (1293, 145, 359)
+    """
+    if (x is None) != (y is None):
+        raise ValueError(
+            "pass both x and y to split your own data, or neither to use the digits; "
+            f"got x={'None' if x is None else 'a tensor'}, y={'None' if y is None else 'a tensor'}"
+        )
+    _check_batch_size("batch_size", batch_size)
+    eval_bs = batch_size if eval_batch_size is None else eval_batch_size
+    _check_batch_size("eval_batch_size", eval_bs)
+    fraction = check_number("val_fraction", val_fraction, hint="pass e.g. val_fraction=0.1")
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(
+            f"val_fraction must be a number in (0, 1), got {val_fraction!r}; pass e.g. "
+            "val_fraction=0.1 to validate on 10% of the training part"
+        )
+    if x is None or y is None:
+        rest = load_digits("train", test_fraction=test_fraction, seed=seed, image=image)
+        test = load_digits("test", test_fraction=test_fraction, seed=seed, image=image)
+    else:
+        rest, test = stratified_split(x, y, test_fraction=test_fraction, seed=seed)
+    try:
+        train, val = stratified_split(*rest, test_fraction=fraction, seed=seed)
+    except DataError:
+        raise DataError(
+            f"{len(rest[1])} training samples are too few to hold out a validation part "
+            f"(val_fraction={fraction}) and keep some to train on; use more data"
+        ) from None
+    train_loader = make_loaders(*train, batch_size, shuffle=True, seed=seed, pin_memory=pin_memory)
+    val_loader = make_loaders(*val, eval_bs, shuffle=False, seed=seed, pin_memory=pin_memory)
+    test_loader = make_loaders(*test, eval_bs, shuffle=False, seed=seed, pin_memory=pin_memory)
+    return train_loader, val_loader, test_loader
