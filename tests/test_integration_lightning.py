@@ -269,7 +269,8 @@ def test_auto_decides_by_the_device():
 def test_a_missing_lightning_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "lightning", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "mixprec.integrations.lightning")
-    with pytest.raises(ImportError, match=r'pip install "mixprec\[lightning\]"'):
+    # The pinned requirement (works without a checkout) and the checkout's extra.
+    with pytest.raises(ImportError, match=r'pip install "lightning>=.*pip install -e "\.\[lightning\]"'):
         importlib.import_module("mixprec.integrations.lightning")
 
 
@@ -314,3 +315,67 @@ def test_a_module_trained_by_one_trainer_is_tested_by_another(tmp_path):
 
 def test_the_plugin_names_its_device():
     assert MixprecPrecision(level="O2", dtype=torch.bfloat16, device="cpu").device == "cpu"
+
+
+class Evaluates(Toy):
+    def test_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch[0]), batch[1])
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_the_trainer_that_fitted_tests_and_predicts(level, tmp_path):
+    """``trainer.test``/``predict`` after ``fit`` connect the optimizers ``fit`` left: the
+    plugin's own wrappers pass through (they used to be refused as user-made)."""
+    module = Evaluates()
+    trainer, plugin, _ = fit(module, tmp_path, level=level)
+    wrappers = list(trainer.optimizers)
+    trained = [p.detach().clone() for p in module.parameters()]
+    trainer.test(module, make_loader(), verbose=False)
+    trainer.predict(module, [x for x, _ in make_loader()])
+    assert trainer.optimizers == wrappers and plugin._optimizers == wrappers
+    assert all(torch.equal(a, b) for a, b in zip(trained, module.parameters()))
+
+
+def test_the_plugin_pickles_for_strategies_that_spawn_processes():
+    """``ddp_spawn`` pickles the plugin: its settings and loss scale travel, the record of
+    converted modules (a weak set) starts empty, and a converted module is still known."""
+    import pickle
+
+    plugin = MixprecPrecision(level="O2", dtype=torch.bfloat16, loss_scale=make_loss_scale())
+    module = Toy()
+    plugin.convert_module(module)
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert (copy.level, copy.dtype, copy.precision) == ("O2", torch.bfloat16, "bf16-mixed")
+    assert float(copy.loss_scale.scale) == 256.0 and len(copy._converted) == 0
+    moved = pickle.loads(pickle.dumps(module))  # as the module reaches another process
+    assert copy.convert_module(moved) is moved and moved in copy._converted
+    with pytest.raises(ValueError, match="prepared by a MixprecPrecision at level O2"):
+        pickle.loads(pickle.dumps(MixprecPrecision(level="O1"))).convert_module(moved)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_autocast_context_manager_is_lightnings_for_the_plugins_dtype(level):
+    plugin = MixprecPrecision(level=level, dtype=torch.bfloat16, device="cpu")
+    with plugin.autocast_context_manager():
+        assert torch.is_autocast_enabled("cpu") == (level != "O0")
+        assert not torch.is_autocast_cache_enabled()
+        out = nn.Linear(2, 2)(torch.ones(1, 2))
+    assert out.dtype == (torch.float32 if level == "O0" else torch.bfloat16)
+
+
+def test_clipping_a_fused_optimizer_the_plugin_did_not_wrap_is_refused_and_changes_nothing():
+    net = make_net()
+    fused = torch.optim.Adam(net.parameters(), lr=LR, fused=True)
+    for p in net.parameters():
+        p.grad = torch.full_like(p, 1000.0)  # still multiplied by the loss scale
+    plugin = MixprecPrecision(level="O1", dtype=torch.float16, device="cpu")
+    before = [p.grad.clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match="Adam, does not allow for gradient clipping here"):
+        plugin.clip_gradients(fused, clip_val=1.0)
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, net.parameters()))
+    plugin.clip_gradients(fused, clip_val=0.0)  # no clipping asked: nothing to refuse
+    # Without a loss scale (bfloat16 O1) its gradients are true ones: clipping is fine.
+    unscaled = MixprecPrecision(level="O1", dtype=torch.bfloat16, device="cpu")
+    unscaled.clip_gradients(fused, clip_val=1.0)
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))
+    assert float(norm) == pytest.approx(1.0, rel=1e-4)

@@ -128,6 +128,18 @@ class MixprecPrecision(Precision):
             f"loss_scale={self.loss_scale!r})"
         )
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Strategies that start processes (ddp_spawn) pickle the plugin. The weak set of
+        # converted modules cannot be pickled and means nothing in another process: a
+        # module converted here carries its mark (_CONVERTED) wherever it goes.
+        state = dict(self.__dict__)
+        state["_converted"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._converted = weakref.WeakSet()
+
     # -- the module and the optimizers --------------------------------------------------
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -156,8 +168,16 @@ class MixprecPrecision(Precision):
         """Wrap each optimizer in a :class:`~mixprec.LossScaleOptimizer` sharing the loss scale.
 
         LR schedulers keep working: the wrapper's ``param_groups`` are the inner optimizer's.
+        The wrappers this plugin made pass through unchanged: ``trainer.test`` or
+        ``predict`` after ``fit`` connects the optimizers that ``fit`` left.
         """
+
+        def is_mine(opt: Any) -> bool:
+            return any(opt is own for own in self._optimizers)
+
         for i, opt in enumerate(optimizers):
+            if is_mine(opt):
+                continue
             if isinstance(opt, LossScaleOptimizer):
                 raise TypeError(
                     f"configure_optimizers returned a LossScaleOptimizer (optimizer {i}); "
@@ -173,8 +193,8 @@ class MixprecPrecision(Precision):
             LossScaleOptimizer(
                 opt, self.loss_scale, master_weights=level_master_weights(self.level)
             )
-            if any(g["params"] for g in opt.param_groups)
-            else opt  # configure_optimizers returned None: Lightning's placeholder
+            if any(g["params"] for g in opt.param_groups) and not is_mine(opt)
+            else opt  # this plugin's already, or Lightning's placeholder (no optimizer)
             for opt in optimizers
         ]
         self._optimizers = [o for o in wrapped if isinstance(o, LossScaleOptimizer)]
@@ -214,11 +234,45 @@ class MixprecPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Unscale (once), then clip the true gradients (the float32 masters' at O2)."""
+        """Unscale (once), then clip the true gradients (the float32 masters' at O2).
+
+        A fused optimizer the plugin did not wrap is refused while losses are scaled, as
+        Lightning's ``MixedPrecision`` refuses it: its gradients are still scaled, and only
+        its own step would divide them, after the clipping.
+        """
         opt = self._own(optimizer)
         if opt is not None and clip_val > 0 and not self._skipped_backward:
             self._unscale_once(opt)
+        if (
+            opt is None
+            and clip_val > 0
+            and self.loss_scale.needs_scaled_loss
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+        ):
+            raise RuntimeError(
+                f"The current optimizer, {type(optimizer).__qualname__}, does not allow for "
+                "gradient clipping here: MixprecPrecision did not wrap it, so its gradients "
+                "are still multiplied by the loss scale and its fused step divides them only "
+                "after the clipping. Return it from configure_optimizers: the plugin wraps "
+                "it and unscales its gradients before they are clipped"
+            )
         super().clip_gradients(opt or optimizer, clip_val, gradient_clip_algorithm)
+
+    def autocast_context_manager(self) -> torch.autocast:
+        """``torch.autocast`` to the plugin's dtype on its device, without the autocast
+        cache, as Lightning's ``MixedPrecision`` gives it: for computations outside the
+        LightningModule's forward, which the level already casts. Disabled at O0.
+
+        >>> with MixprecPrecision("O1", torch.bfloat16, device="cpu").autocast_context_manager():
+        ...     torch.nn.Linear(2, 2)(torch.ones(1, 2)).dtype
+        torch.bfloat16
+        """
+        return torch.autocast(
+            torch.device(self.device).type,
+            dtype=self.dtype,
+            enabled=self.level != "O0",
+            cache_enabled=False,
+        )
 
     def optimizer_step(  # type: ignore[override]
         self,

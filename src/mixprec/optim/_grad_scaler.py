@@ -36,6 +36,7 @@ tensor([0., 0.], requires_grad=True), 8.0)
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterable
 from enum import Enum
@@ -65,6 +66,27 @@ class _Stage(Enum):
 
 def _fresh_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf": None}
+
+
+def _refuse_scaler_argument(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``TypeError`` for a fused optimizer whose ``step`` takes ``grad_scaler``.
+
+    That is torch's deprecated protocol: the optimizer unscales and checks the gradients
+    itself through ``torch.amp.GradScaler``'s private methods. Stepped here it would get
+    ``grad_scaler=None`` and apply the scaled, unchecked gradients without a word.
+    """
+    try:
+        parameters = inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # a builtin without a signature takes no grad_scaler
+        return
+    if "grad_scaler" in parameters:
+        raise TypeError(
+            f"{type(optimizer).__name__}.step takes a grad_scaler argument (torch's deprecated "
+            "protocol, which reads torch.amp.GradScaler's private state); mixprec.GradScaler "
+            "does not pass one. Make step read self.grad_scale and self.found_inf, which "
+            "GradScaler.step sets for an optimizer with _step_supports_amp_scaling, or use "
+            "torch.amp.GradScaler with this optimizer"
+        )
 
 
 class GradScaler:
@@ -199,25 +221,34 @@ class GradScaler:
         state = self._state_of(optimizer)
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if getattr(optimizer, "_step_supports_amp_scaling", False) and state["stage"] is _Stage.READY:
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused:
+            _refuse_scaler_argument(optimizer)
+        # A grad_scale the caller set on a fused optimizer is part of this one step, as in
+        # torch's: it multiplies ours while the gradients are still scaled, it is all the
+        # kernel divides by once they were unscaled, and the step consumes it.
+        preset = getattr(optimizer, "grad_scale", None) if fused else None
+        if fused and state["stage"] is _Stage.READY:
             # torch's fused path: check without unscaling; the kernel unscales by grad_scale.
             self._check_scaled()
             one = torch.ones((), dtype=torch.float32, device=self.loss_scale.device)
             state["found_inf"] = unscale_and_check_(self._grads(optimizer), one)
-            # A grad_scale the caller set on the optimizer multiplies ours, as in torch's.
-            preset = getattr(optimizer, "grad_scale", None)
             scale = self.loss_scale.scale
             grad_scale = scale if preset is None else scale * preset
         else:
             if state["stage"] is _Stage.READY:
                 self.unscale_(optimizer)
-            grad_scale = None
+            grad_scale = preset
         state["stage"] = _Stage.STEPPED
         # Every rank's verdict before this one decides: all skip together, or none does.
         found_inf = agree_on_found_inf(state["found_inf"], self.process_group)
-        result, skipped = step_or_skip(
-            optimizer, found_inf, grad_scale=grad_scale, args=args, kwargs=kwargs
-        )
+        try:
+            result, skipped = step_or_skip(
+                optimizer, found_inf, grad_scale=grad_scale, args=args, kwargs=kwargs
+            )
+        finally:
+            if preset is not None and hasattr(optimizer, "grad_scale"):
+                delattr(optimizer, "grad_scale")  # also when the step was skipped on the host
         self._skipped_on_host = self._skipped_on_host or skipped
         return result
 
@@ -265,6 +296,19 @@ class GradScaler:
 
     def _get_scale_async(self) -> torch.Tensor | None:
         return self.loss_scale.scale if self._enabled else None
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        """torch's private scale tensor, read by code that logs the scale without a host
+        sync: the live scale once a loss was scaled (None before, and when disabled, as
+        torch's). Read-only: set the scale with ``update(new_scale)``."""
+        return self.loss_scale.scale if self._enabled and self._placed else None
+
+    def _lazy_init_scale_growth_tracker(self, dev: str | torch.device) -> None:
+        """Put the scale on ``dev`` before any loss is scaled, as torch's private method of
+        this name does; Accelerate calls it after loading a scaler's state (FSDP2)."""
+        self.loss_scale.to(torch.device(dev))
+        self._placed = True
 
     def _set(self, name: str, arg: str, value: Any) -> None:
         # Validated as a whole configuration, so a setter never stores what the

@@ -346,6 +346,27 @@ def _check_fits(path: Path, network: torch.nn.Module, saved: dict[str, Any]) -> 
         )
 
 
+def _check_optimizer_fits(path: Path, optimizer: Any, saved: dict[str, Any]) -> None:
+    """A :class:`CheckpointError` when the saved optimizer state is another optimizer's:
+    its parameter groups hold settings this optimizer has not (Adam's ``betas`` for an
+    SGD). torch's load would take them in place of this optimizer's own and fail only at
+    the next step. Settings a newer torch added are not asked for: torch fills them in."""
+    groups = saved.get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return  # the optimizer's own load names this mismatch
+    for i, (theirs, ours) in enumerate(zip(groups, optimizer.param_groups)):
+        if not isinstance(theirs, dict):
+            return
+        extra = sorted(set(theirs) - set(ours) - {"params", "param_names"})
+        if extra:
+            raise CheckpointError(
+                f"{path} does not fit this model's optimizer: the checkpoint's parameter "
+                f"group {i} has settings {', '.join(map(repr, extra))}, which this "
+                f"{type(getattr(optimizer, 'inner_optimizer', optimizer)).__name__} has not "
+                "(another optimizer?)"
+            )
+
+
 def newest_readable(
     paths: Iterable[Path],
     device: torch.device,
@@ -394,7 +415,11 @@ def load_checkpoint(
         )
     path = Path(path)
     _check_fits(path, network, payload["model"])
-    network.load_state_dict(payload["model"])
+    _check_optimizer_fits(path, optimizer, payload["optimizer"])
+    # The optimizer first: its load checks everything before it changes anything, and
+    # the network's cannot fail after _check_fits. The other way round, a refused
+    # optimizer state would leave the checkpoint's weights in a network whose optimizer
+    # state (float32 masters, moments) belongs to other ones.
     try:
         optimizer.load_state_dict(payload["optimizer"])
     except (ValueError, KeyError, TypeError, RuntimeError, IndexError) as err:
@@ -402,6 +427,7 @@ def load_checkpoint(
         raise CheckpointError(
             f"{path} does not fit this model's optimizer ({type(err).__name__}: {detail})"
         ) from None
+    network.load_state_dict(payload["model"])
     if payload["callbacks"] is not None and callbacks is not None:
         callbacks.load_state_dict(payload["callbacks"])
     rng = payload["rng"]
