@@ -271,3 +271,169 @@ def test_accuracy_sweep_over_seeds():
     assert lost > 0.5 * mean["fp32"]  # the task is one where pure bfloat16 stalls
     for mode in MODES:
         assert abs(mean[mode] - mean["fp32"]) < 0.1 * lost, (mode, mean)
+
+
+# --- The step with a fixed number of kernels, against the per-parameter step it replaced ---
+
+
+def _reference_step(self, found_inf, skip, weight_decay=None, step_kwargs=None):
+    """LeanUpdates.step as it was, one parameter at a time: the bit-exact reference."""
+    from mixprec.loss_scale import step_or_skip
+
+    applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
+    low_ids = {id(p) for p in self._low}
+    with torch.no_grad():
+        if self.mode == "kahan":
+            buffers = self.compensation
+        else:
+            buffers = [torch.zeros_like(p) for p in self._low]
+        by_id = {id(p): b for p, b in zip(self._low, buffers)}
+        saved_decay = []
+        for group in self.optimizer.param_groups:
+            decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
+            if decay:
+                factor = (group["lr"] * decay) * applied
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if id(p) in low_ids:
+                        by_id[id(p)].sub_((p.float() * factor.to(p.device)).to(p.dtype))
+                    else:
+                        p.mul_(1.0 - factor.to(p.device, p.dtype))
+            if "weight_decay" in group:
+                saved_decay.append((group, group["weight_decay"]))
+                group["weight_decay"] = 0.0
+        originals = [p.data for p in self._low]
+        for p, b in zip(self._low, buffers):
+            p.data = b
+        try:
+            _, skipped = step_or_skip(self.optimizer, found_inf, skip=skip, kwargs=step_kwargs)
+        finally:
+            for p, data in zip(self._low, originals):
+                p.data = data
+            for group, decay in saved_decay:
+                group["weight_decay"] = decay
+        if skipped:
+            return True
+        for p, b in zip(self._low, buffers):
+            if p.grad is None and self.mode == "stochastic":
+                continue
+            total = p.float() + b.float()
+            if self.mode == "kahan":
+                p.copy_(total)
+                b.copy_(total - p.float())
+            else:
+                p.copy_(stochastic_round(total, self._generators[str(p.device)]))
+    return False
+
+
+def _mixed_params(mode):
+    """Two groups: bfloat16 (float16 for kahan's second) of many shapes, a channels-last
+    convolution weight, a 0-d scalar, a large tensor, float32 norms, one never used."""
+    gen = torch.Generator().manual_seed(5)
+    low2 = torch.bfloat16 if mode == "stochastic" else torch.float16
+
+    def param(shape, dtype, scale=0.5):
+        return torch.nn.Parameter((torch.randn(shape, generator=gen) * scale).to(dtype))
+
+    conv = param((4, 3, 3, 3), torch.bfloat16)
+    conv.data = conv.data.to(memory_format=torch.channels_last)
+    first = [param((7, 5), torch.bfloat16), conv, param((), torch.bfloat16),
+             param((3,), torch.float32), param((40000,), torch.bfloat16, 0.01),
+             param((6,), torch.bfloat16)]  # fmt: skip
+    second = [param((5, 4), low2), param((9,), torch.float32), param((11,), low2),
+              param((2, 2), low2)]  # fmt: skip
+    unused = {id(first[-1]), id(second[-1])}  # never get a gradient
+    return first, second, unused
+
+
+def _same_bits(a, b):
+    """Equal bit for bit (signed zeros and NaN payloads too)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return a.shape == b.shape and torch.equal(a.view(ints[a.element_size()]),
+                                              b.view(ints[b.element_size()]))  # fmt: skip
+
+
+def _lean_run(mode, reference, optimizer, steps=7):
+    first, second, unused = _mixed_params(mode)
+    groups = [{"params": first, "lr": 3e-3, "weight_decay": 0.05},
+              {"params": second, "lr": 1e-2, "weight_decay": 0.0}]  # fmt: skip
+    if optimizer == "adamw-fused":
+        inner = torch.optim.AdamW(groups, fused=True)
+    else:
+        for g in groups:
+            g["weight_decay"] = 0.0  # SGD's decay is coupled: LossScaleOptimizer's instead
+        inner = torch.optim.SGD(groups, momentum=0.9)
+    opt = LossScaleOptimizer(inner, 128.0, master_weights=mode, weight_decay=0.02)
+    if reference:
+        opt._master.step = _reference_step.__get__(opt._master)
+    params = [p for g in inner.param_groups for p in g["params"]]
+    gen = torch.Generator().manual_seed(11)
+    for step in range(steps):
+        targets = [torch.randn(p.shape, generator=gen) for p in params]
+        loss = sum((p.float() * t).sum() for p, t in zip(params, targets) if id(p) not in unused)
+        if step in (2, 5):
+            loss = loss * float("inf")  # an overflow: the step is skipped
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd"])
+@pytest.mark.parametrize("run_elements", [1 << 26, 50])
+@pytest.mark.parametrize("mode", MODES)
+def test_step_is_bit_identical_to_the_per_parameter_step(mode, run_elements, optimizer,
+                                                         monkeypatch):  # fmt: skip
+    """Weight decay in one group, skipped steps, parameters without gradients, float32
+    parameters between low ones, a channels-last weight, and runs cut short (50 elements:
+    many runs, a tensor larger than a run) all step exactly as one parameter at a time."""
+    from mixprec.optim import _lean
+
+    monkeypatch.setattr(_lean, "RUN_ELEMENTS", run_elements)
+    new_params, new = _lean_run(mode, False, optimizer)
+    ref_params, ref = _lean_run(mode, True, optimizer)
+    assert int(new.skipped_steps) == int(ref.skipped_steps) == 2
+    for p, q in zip(new_params, ref_params):
+        assert p.dtype == q.dtype and p.stride() == q.stride() and _same_bits(p, q)
+    new_state, ref_state = new._master.state_dict(), ref._master.state_dict()
+    assert len(new_state["compensation"]) == len(ref_state["compensation"])
+    for c, d in zip(new_state["compensation"], ref_state["compensation"]):
+        assert _same_bits(c, d)
+    for key in ref_state["generators"]:
+        assert torch.equal(new_state["generators"][key], ref_state["generators"][key])
+    for s, t in zip(new.state.values(), ref.state.values()):
+        assert all(_same_bits(s[k], t[k]) for k in t)
+    if mode == "kahan":
+        assert any(c.abs().sum() > 0 for c in new._master.compensation)  # the buffers work
+
+
+def _lean_step_kernels(n_params):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Kernels(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket.__name__ not in ("empty", "empty_like"):
+                Kernels.count += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, generator=gen).bfloat16()) for _ in range(n_params)]
+    opt = LossScaleOptimizer(torch.optim.AdamW(params, fused=True), None, master_weights="kahan")
+    counts = []
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(8, generator=gen).bfloat16()
+        lean = opt._master
+        found_inf = torch.zeros(())
+        Kernels.count = 0
+        with Kernels():
+            lean.step(found_inf, skip=True)
+        counts.append(Kernels.count)
+    return counts[-1]
+
+
+def test_lean_step_dispatches_as_many_ops_for_8_as_for_64_parameters():
+    assert _lean_step_kernels(8) == _lean_step_kernels(64) <= 24

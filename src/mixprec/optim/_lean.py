@@ -7,6 +7,7 @@ the updates that plain low-precision arithmetic rounds away.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -38,6 +39,36 @@ def _decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
 
 
+#: Most elements stepped together: the float32 sum and the low-precision copy of a run
+#: of parameters (6 bytes an element, at most 384 MiB) live only during the step, and
+#: each run costs a fixed dozen kernels, so a 150M-parameter model takes 3 runs.
+RUN_ELEMENTS = 1 << 26
+
+
+@dataclasses.dataclass
+class _Run:
+    """Consecutive low-precision parameters of one param group, device and dtype, stepped
+    as one flat tensor (``loose``: a single non-contiguous parameter, stepped alone)."""
+
+    params: list[torch.Tensor]
+    loose: bool = False
+    flat: torch.Tensor | None = None  # kahan: the storage of these parameters' buffers
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def _flat(params: list[torch.Tensor]) -> torch.Tensor:
+    """The values of contiguous ``params``, end to end, in one new tensor (one kernel)."""
+    return torch.cat([p.view(-1) for p in params])
+
+
+def _scatter(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """Write ``flat`` (from :func:`_flat`) back into contiguous ``params`` (one kernel)."""
+    torch.split_with_sizes_copy(flat, [p.numel() for p in params], out=[p.view(-1) for p in params])
+
+
 class LeanUpdates:
     """Step ``optimizer``'s low-precision parameters in place with ``mode`` rounding.
 
@@ -64,6 +95,16 @@ class LeanUpdates:
         kahan:      p = round(total);  c = total - p
         stochastic: p = stochastic_round(total)
 
+    A step launches a fixed number of kernels, whatever the number of parameter tensors:
+    consecutive contiguous parameters of one group, device and dtype form a run (up to
+    :data:`RUN_ELEMENTS` elements) whose values are gathered into one flat tensor
+    (``cat``), computed on there in float32 and scattered back (``split_with_sizes_copy``);
+    kahan's buffers are views of one flat tensor per run. Each parameter gets exactly the
+    arithmetic of a step taken one parameter at a time, and stochastic rounding draws its
+    noise in the same order, so on the CPU the two are bit-identical; on a GPU the noise
+    comes from one draw per run, so the random stream differs from per-parameter draws.
+    Non-contiguous parameters (channels-last weights) are stepped one at a time.
+
     A skipped step leaves ``p`` and ``c`` exactly as they were. Bytes per parameter with
     AdamW (moments in the parameter dtype): kahan 2 + 2 + 4 = 8, stochastic 2 + 4 = 6
     (pure bfloat16 6, float32 12, float32 masters 14).
@@ -89,6 +130,7 @@ class LeanUpdates:
         self._low: list[torch.Tensor] = []
         self.compensation: list[torch.Tensor] = []
         self._generators: dict[str, torch.Generator] = {}
+        self._runs: list[_Run] = []
         for group in optimizer.param_groups:
             self._adopt(group["params"])
 
@@ -128,16 +170,42 @@ class LeanUpdates:
                 )
 
     def _adopt(self, params: list[torch.Tensor]) -> None:
+        """Take on one param group's parameters: cut its low-precision ones into runs."""
+        runs: list[_Run] = []
         for p in params:
             self.model_params.append(p)
             if p.dtype not in LOW_PRECISION:
                 continue  # float32 parameters (kept normalisation layers) step as they are
             self._low.append(p)
-            if self.mode == "kahan":
-                self.compensation.append(torch.zeros_like(p, memory_format=torch.preserve_format))
             key = str(p.device)
             if key not in self._generators:
                 self._generators[key] = torch.Generator(device=p.device).manual_seed(self.seed)
+            last = runs[-1] if runs else None
+            if not p.is_contiguous():
+                runs.append(_Run([p], loose=True))
+            elif (
+                last is None
+                or last.loose
+                or (last.params[0].device, last.params[0].dtype) != (p.device, p.dtype)
+                or last.numel + p.numel() > RUN_ELEMENTS
+            ):
+                runs.append(_Run([p]))
+            else:
+                last.params.append(p)
+        for run in runs:
+            if self.mode != "kahan":
+                continue
+            first = run.params[0]
+            if run.loose:  # its own buffer, laid out as the parameter (and its gradient)
+                run.flat = torch.zeros_like(first, memory_format=torch.preserve_format)
+                self.compensation.append(run.flat)
+                continue
+            run.flat = torch.zeros(run.numel, dtype=first.dtype, device=first.device)
+            self.compensation += [
+                piece.view(p.shape)
+                for piece, p in zip(run.flat.split([p.numel() for p in run.params]), run.params)
+            ]
+        self._runs += runs
 
     def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """Check a new group and take on its parameters; return it unchanged."""
@@ -163,28 +231,25 @@ class LeanUpdates:
         weight_decay: float | None = None,
         step_kwargs: dict[str, Any] | None = None,
     ) -> bool:
-        """The inner step with lean rounding (see the module docstring); ``weight_decay``
-        is ``LossScaleOptimizer``'s decoupled decay. Returns whether the host saw a skip."""
+        """The inner step with lean rounding (see the class docstring); ``weight_decay``
+        is ``LossScaleOptimizer``'s decoupled decay. Returns whether the host saw a skip.
+
+        A fixed number of kernels per run of parameters (:data:`RUN_ELEMENTS`), not per
+        parameter: each run's values are gathered into one flat tensor, rounded there
+        and scattered back, and float32 parameters are decayed by one foreach op.
+        """
         applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
-        low_ids = {id(p) for p in self._low}
         with torch.no_grad():
-            if self.mode == "kahan":
+            flats = self._buffers()
+            if self.mode == "kahan":  # views of the runs' flat storage, made once
                 buffers = self.compensation
             else:
-                buffers = [torch.zeros_like(p) for p in self._low]
-            by_id = {id(p): b for p, b in zip(self._low, buffers)}
+                buffers = [b for run in self._runs for b in self._views(run, flats[id(run)])]
             saved_decay = []
             for group in self.optimizer.param_groups:
                 decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
                 if decay:  # the inner optimizer would decay the buffer: decay p into it
-                    factor = (group["lr"] * decay) * applied
-                    for p in group["params"]:
-                        if p.grad is None:
-                            continue
-                        if id(p) in low_ids:
-                            by_id[id(p)].sub_((p.float() * factor.to(p.device)).to(p.dtype))
-                        else:  # float32: decayed here, as the inner decay is switched off
-                            p.mul_(1.0 - factor.to(p.device, p.dtype))
+                    self._decay(group["params"], (group["lr"] * decay) * applied, flats)
                 if "weight_decay" in group:
                     saved_decay.append((group, group["weight_decay"]))
                     group["weight_decay"] = 0.0
@@ -200,16 +265,99 @@ class LeanUpdates:
                     group["weight_decay"] = decay
             if skipped:
                 return True  # nothing was stepped; the buffers got only a zero decay
-            for p, b in zip(self._low, buffers):
-                if p.grad is None and self.mode == "stochastic":
-                    continue
-                total = p.float() + b.float()
-                if self.mode == "kahan":
-                    p.copy_(total)
-                    b.copy_(total - p.float())
-                else:
-                    p.copy_(stochastic_round(total, self._generators[str(p.device)]))
+            for run in self._runs:
+                self._round(run, flats[id(run)])
         return False
+
+    def _buffers(self) -> dict[int, torch.Tensor]:
+        """Each run's buffer storage for this step: kahan's compensation, or zeros."""
+        flats = {}
+        for run in self._runs:
+            if run.flat is not None:
+                flats[id(run)] = run.flat
+            elif run.loose:
+                flats[id(run)] = torch.zeros_like(run.params[0])
+            else:
+                first = run.params[0]
+                flats[id(run)] = torch.zeros(run.numel, dtype=first.dtype, device=first.device)
+        return flats
+
+    @staticmethod
+    def _views(run: _Run, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The run's per-parameter buffers: views of its flat storage, shaped like each."""
+        if run.loose:
+            return [flat]
+        pieces = flat.split([p.numel() for p in run.params])
+        return [piece.view(p.shape) for piece, p in zip(pieces, run.params)]
+
+    def _decay(
+        self, params: list[torch.Tensor], factor: torch.Tensor, flats: dict[int, torch.Tensor]
+    ) -> None:
+        """Decoupled decay of ``params`` that have gradients: float32 ones in place, low ones
+        into their buffers as ``b -= round(p * factor)`` (the product in float32)."""
+        wanted = {id(p) for p in params if p.grad is not None}
+        for run in self._runs:
+            members = [p for p in run.params if id(p) in wanted]
+            if not members:
+                continue
+            f = factor.to(members[0].device)
+            if run.loose:
+                p = members[0]
+                flats[id(run)].sub_((p.float() * f).to(p.dtype))
+                continue
+            values = _flat(members)
+            values.copy_(values.float().mul_(f))  # the product, rounded once to the dtype
+            if len(members) == len(run.params):
+                flats[id(run)].sub_(values)
+            else:  # some have no gradient: only the others' buffers change
+                views = dict(zip(map(id, run.params), self._views(run, flats[id(run)])))
+                pieces = values.split([p.numel() for p in members])
+                torch._foreach_sub_([views[id(p)].view(-1) for p in members], list(pieces))
+        low = {id(p) for p in self._low}
+        full: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p in params:
+            if id(p) in wanted and id(p) not in low:
+                full.setdefault((p.device, p.dtype), []).append(p)
+        for (device, dtype), group in full.items():  # decayed here: the inner decay is off
+            torch._foreach_mul_(group, 1.0 - factor.to(device, dtype))
+
+    def _round(self, run: _Run, flat: torch.Tensor) -> None:
+        """``total = p + b`` in float32, then kahan's ``p = round(total); b = total - p``
+        or stochastic rounding of ``total`` into ``p``, for every parameter of the run
+        (stochastic: those with gradients, drawing their noise in order)."""
+        members = run.params
+        if self.mode == "stochastic":
+            members = [p for p in members if p.grad is not None]
+        if not members:
+            return
+        if run.loose:
+            p = members[0]
+            total = p.float() + flat.float()
+            if self.mode == "kahan":
+                p.copy_(total)
+                flat.copy_(total - p.float())
+            else:
+                p.copy_(stochastic_round(total, self._generators[str(p.device)]))
+            return
+        values = _flat(members)
+        total = values.float()
+        if len(members) == len(run.params):
+            total.add_(flat)
+        else:
+            views = dict(zip(map(id, run.params), self._views(run, flat)))
+            total.add_(torch.cat([views[id(p)].view(-1) for p in members]))
+        if self.mode == "kahan":
+            values.copy_(total)
+            flat.copy_(total.sub_(values))
+        else:  # stochastic_round over the run: one draw of noise, in parameter order
+            del values  # freed before the noise is drawn: a lower peak
+            bits = total.view(torch.int32)
+            noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32,
+                                  generator=self._generators[str(bits.device)])  # fmt: skip
+            bits.add_(noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
+            del noise
+            values = total.to(members[0].dtype)  # exact: the low 16 bits are zero
+        _scatter(values, members)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,198 @@
+"""The step-cost benchmark's launch model and counter (``benchmarks/step_cost.py``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks import step_cost
+from benchmarks.step_cost import (
+    MTA_CHUNK,
+    StepCounter,
+    Variant,
+    count_step,
+    mta_launches,
+    op_cost,
+    prepare,
+)
+
+aten = torch.ops.aten
+
+
+def _meta(*numels: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    return [torch.empty(n, device="meta", dtype=dtype) for n in numels]
+
+
+@pytest.mark.parametrize(
+    ("func", "lists", "limit"),
+    [
+        (aten._foreach_mul_.Scalar, 1, 110),  # depth 1: one list, in place
+        (aten._foreach_add_.List, 2, 64),  # depth 2: self and other
+        (aten._foreach_addcmul_.Scalar, 3, 48),  # depth 3
+    ],
+)
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 110, 111, 300])
+def test_foreach_op_over_n_small_tensors_counts_ceil_n_over_the_depth_limit(func, lists, limit, n):
+    tensors = [_meta(*[10] * n) for _ in range(lists)]
+    args: tuple = (*tensors, 2.0) if func is aten._foreach_mul_.Scalar else tuple(tensors)
+    if func is aten._foreach_addcmul_.Scalar:
+        args = (*tensors, 0.5)
+    assert op_cost(func, args, {}, None).launches == math.ceil(n / limit)
+
+
+def test_out_of_place_foreach_counts_its_output_list_in_the_depth():
+    xs = _meta(*[10] * 100)
+    out = _meta(*[10] * 100)
+    assert op_cost(aten._foreach_mul_.Scalar, (xs, 2.0), {}, None).launches == 1  # depth 1
+    assert op_cost(aten._foreach_mul.Scalar, (xs, 2.0), {}, out).launches == 2  # depth 2: 64
+
+
+def test_blocks_limit_launches_every_320_chunks_of_65536_elements():
+    assert mta_launches([320 * MTA_CHUNK], depth=1) == 1
+    assert mta_launches([320 * MTA_CHUNK + 1], depth=1) == 2
+    # 200 tensors of 4 chunks: 80 tensors fill 320 blocks before 110 tensors are queued.
+    assert mta_launches([3 * MTA_CHUNK + 1] * 200, depth=1) == 3
+    assert mta_launches([MTA_CHUNK + 1] * 200, depth=4) == 6  # 36 tensors (72 blocks) a launch
+    assert mta_launches([0, 0, 5], depth=1) == 1  # empty tensors are skipped
+    assert mta_launches([], depth=1) == 0
+    assert mta_launches([10] * 771, depth=1, limits="cuda13") == 2
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        mta_launches([1], depth=0)
+
+
+def test_foreach_off_cuda_fast_path_counts_one_launch_per_tensor():
+    xs, ys = _meta(*[10] * 20), _meta(*[10] * 20, dtype=torch.bfloat16)
+    assert op_cost(aten._foreach_add_.List, (xs, ys), {}, None).launches == 20  # dtypes differ
+    assert op_cost(aten._foreach_copy_.default, (xs, ys), {}, None).launches == 1  # copy may cast
+    strided = [torch.empty(4, 4, device="meta").t() for _ in range(3)]
+    plain = [torch.empty(4, 4, device="meta") for _ in range(3)]
+    assert op_cost(aten._foreach_add_.List, (plain, strided), {}, None).launches == 3
+
+
+def test_fused_adamw_walks_four_lists_and_not_the_step_counters():
+    n = 100
+    params, grads, m, v = (_meta(*[1000] * n) for _ in range(4))
+    steps = _meta(*[1] * n)
+    args = (params, grads, m, v, [], steps)
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                  maximize=False)  # fmt: skip
+    assert op_cost(aten._fused_adamw_.default, args, kwargs, None).launches == math.ceil(n / 36)
+
+
+def test_views_cost_nothing_and_plain_ops_one_launch_with_their_bytes():
+    x = torch.ones(4, 4)
+    assert op_cost(aten.view.default, (x, [16]), {}, x.view(16)).launches == 0
+    assert op_cost(aten.t.default, (x,), {}, x.t()).nbytes == 0
+    assert op_cost(aten.empty_like.default, (x,), {}, torch.empty_like(x)).launches == 0
+    add = op_cost(aten.add.Tensor, (x, x), {}, x + x)
+    assert (add.launches, add.nbytes, add.matmul) == (1, 3 * 64, False)
+    inplace = op_cost(aten.add_.Tensor, (x, x), {}, x)
+    assert inplace.nbytes == 3 * 64  # self read and written, other read
+    copy = op_cost(aten.copy_.default, (x, x), {}, x)
+    assert copy.nbytes == 2 * 64  # copy_ only writes its destination
+    mm = op_cost(aten.mm.default, (x, x), {}, x @ x)
+    assert mm.matmul and mm.launches == 1
+    empty = torch.ones(0)
+    assert op_cost(aten.add.Tensor, (empty, empty), {}, empty + empty).launches == 0
+
+
+def test_cat_batches_128_inputs_per_launch_when_dtypes_agree():
+    xs = [torch.ones(2) for _ in range(200)]
+    assert op_cost(aten.cat.default, (xs,), {}, torch.cat(xs)).launches == 2
+    mixed = [torch.ones(2), torch.ones(2, dtype=torch.bfloat16)]
+    assert op_cost(aten.cat.default, (mixed,), {}, torch.cat(mixed)).launches == 2
+
+
+def test_counter_splits_phases_and_counts_what_it_sees():
+    x = torch.ones(3)
+    with StepCounter() as counter:
+        counter.phase = "forward"
+        y = (x * 2).view(3, 1)  # one launch, one view
+        counter.phase = "optimizer"
+        torch._foreach_add_([x, x.clone()], 1.0)  # clone: 1, foreach over 2 tensors: 1
+    assert counter.tallies["forward"].ops == 2 and counter.tallies["forward"].launches == 1
+    assert counter.tallies["backward"].ops == 0
+    assert counter.tallies["optimizer"].launches == 2
+    assert y.shape == (3, 1)
+
+
+def _tiny_counts(label: str) -> dict:
+    variant = next(v for v in step_cost.VARIANTS if v.label == label)
+    from mixprec.train.models import TransformerClassifier
+
+    def factory() -> torch.nn.Module:
+        return TransformerClassifier(num_classes=10, seq_len=4, token_dim=4, d_model=32,
+                                     nhead=2, num_layers=1, dim_feedforward=64, dropout=0.0)  # fmt: skip
+
+    gen = torch.Generator().manual_seed(0)
+    work = step_cost.Workload("tiny", factory, torch.randn(2, 4, 4, generator=gen),
+                              torch.randint(0, 10, (2,), generator=gen))  # fmt: skip
+    baseline = step_cost._live_bytes()  # the batch and whatever else lives already
+    prepared = prepare(variant, work.factory, work.x)
+    return count_step(prepared, work.x, work.y, warmup=1, baseline=baseline)
+
+
+@pytest.mark.parametrize("label", ["autocast bf16", "lean bf16"])
+def test_counts_are_deterministic_and_bytes_per_parameter_are_exact(label):
+    first, second = _tiny_counts(label), _tiny_counts(label)
+    strip = ("phases", "total")
+    assert {k: first[k] for k in strip} == {k: second[k] for k in strip}
+    assert all(first["phases"][p]["launches"] > 0 for p in step_cost.PHASES)
+    # At rest: float32 weights + two float32 moments (12), or bfloat16 weights, moments
+    # and Kahan buffers (8); at the step's peak the gradients (and temporaries) too.
+    expected = {"autocast bf16": 12.0, "lean bf16": 8.0}[label]
+    # (plus a few scalars: AdamW's step counters, the loss scale's state)
+    assert first["bytes_per_param_at_rest"] == pytest.approx(expected, abs=0.02)
+    assert first["bytes_per_param_step_peak"] > first["bytes_per_param_at_rest"]
+
+
+def test_lean_optimizer_launches_do_not_grow_with_parameter_tensors():
+    """The lean step gathers, rounds and scatters runs of parameters: what it adds to O3's
+    optimizer phase is the same for a model of 8 tensors as for one of 64."""
+    from mixprec import amp
+
+    def launches(level: str, n: int) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(n // 2)])
+        inner = torch.optim.AdamW(model.parameters(), fused=True)
+        model, opt = amp.initialize(model, inner, level=level, dtype=torch.bfloat16)
+        x = torch.randn(2, 4)
+        for _ in range(2):
+            opt.scale_loss(model(x).float().sum()).backward()
+            with StepCounter() as counter:
+                counter.phase = "optimizer"
+                opt.step()
+            opt.zero_grad()
+        return counter.tallies["optimizer"].launches
+
+    lean_8, lean_64 = (
+        launches("lean", 8) - launches("O3", 8),
+        launches("lean", 64) - launches("O3", 64),
+    )
+    assert lean_8 == lean_64 <= 16
+
+
+@pytest.mark.slow
+def test_command_line_writes_its_own_section(tmp_path, capsys):
+    report = tmp_path / "B.md"
+    report.write_text("# Benchmarks\n\n## 10. Before\n\nkept\n", encoding="utf-8")
+    args = ["--only", "O3 bf16", "--repeats", "0", "--warmup", "1", "--markdown", str(report),
+            "--out", str(tmp_path / "sc.json")]  # fmt: skip
+    assert step_cost.main(args) == 0
+    notes = f"{step_cost.NOTES_MARKER}\nhand-written\n"
+    report.write_text(report.read_text(encoding="utf-8") + notes, encoding="utf-8")
+    assert step_cost.main(args) == 0  # a second run replaces the section, once
+    text = report.read_text(encoding="utf-8")
+    assert text.count(step_cost.SECTION_TITLE) == 1 and "kept" in text and "| O3 bf16 |" in text
+    assert text.count("hand-written") == 1
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        step_cost.main(["--only", "O9 bf16"])
+    assert "unknown recipe" in capsys.readouterr().err
+
+
+def test_variant_anchor_is_the_torch_recipe_of_its_dtype():
+    assert Variant("x", torch.bfloat16, "O2").anchor == "autocast bf16"
+    assert Variant("y", torch.float16, "O2").anchor == "autocast+GradScaler fp16"
