@@ -3,6 +3,9 @@
 One run trains the same small MLP regression (full batch, AdamW at a learning rate
 where bfloat16 ulps swallow single updates) with each mode over several seeds, and,
 where installed, ``torch-optimi``'s Kahan-summation AdamW on the same bfloat16 model.
+``split8`` and ``split8-8bit`` are :class:`~mixprec.optim.Split8MasterWeights` (bfloat16
+weight + int8 correction, the update in float32) around torch's AdamW and around
+:class:`~mixprec.optim.AdamW8bit` (8-bit moments); ``--modes`` runs a subset.
 Per mode: bytes per parameter (live tensor storage after training: parameters,
 optimizer state, masters or buffers), median step time as a ratio to float32 masters
 (``fp32``) in this run, and the final float32-evaluated loss (mean over seeds)::
@@ -30,12 +33,13 @@ from typing import Any
 
 import torch
 
-from mixprec.optim import LossScaleOptimizer
+from mixprec.optim import AdamW8bit, LossScaleOptimizer, Split8MasterWeights
 from mixprec.tools._memory import live_tensor_bytes
 
 __all__ = ["measure", "run"]
 
-MODES = ("float32", "fp32", "split", "kahan", "stochastic", "bf16", "optimi-kahan")
+MODES = ("float32", "fp32", "split", "kahan", "stochastic", "split8", "split8-8bit", "bf16",
+         "optimi-kahan")
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +62,12 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float) -> Any:
         inner = optimi.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                              kahan_sum=True)  # fmt: skip
         return LossScaleOptimizer(inner)
+    if mode in ("split8", "split8-8bit"):  # built directly: the masters around the inner step
+        cls: Any = AdamW8bit if mode == "split8-8bit" else torch.optim.AdamW
+        inner = cls(params, lr=lr, weight_decay=0.0)
+        opt = LossScaleOptimizer(inner)
+        opt._master = Split8MasterWeights(inner)
+        return opt
     inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     wrapped = False if mode in ("float32", "bf16") else mode
     return LossScaleOptimizer(inner, master_weights=wrapped)
@@ -87,9 +97,10 @@ def measure(mode: str, seed: int, steps: int, lr: float, width: int) -> dict[str
     return {"bytes_per_param": held, "step_s": statistics.median(times), "loss": final}
 
 
-def run(steps: int, seeds: int, lr: float, width: int) -> dict[str, Any]:
+def run(steps: int, seeds: int, lr: float, width: int,
+        modes: tuple[str, ...] = MODES) -> dict[str, Any]:  # fmt: skip
     rows: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in modes:
         try:
             runs = [measure(mode, s, steps, lr, width) for s in range(seeds)]
         except ImportError as exc:
@@ -101,10 +112,12 @@ def run(steps: int, seeds: int, lr: float, width: int) -> dict[str, Any]:
             "loss_mean": statistics.mean(r["loss"] for r in runs),
             "loss_stdev": statistics.stdev(r["loss"] for r in runs) if seeds > 1 else 0.0,
         }
-    anchor = rows["fp32"]["step_s"]
+    anchor = rows.get("fp32", {})
     for row in rows.values():
-        if "step_s" in row:
-            row["step_time_vs_fp32_masters"] = round(row["step_s"] / anchor, 3)
+        if "step_s" in row and "step_s" in anchor:
+            row["step_time_vs_fp32_masters"] = round(row["step_s"] / anchor["step_s"], 3)
+            row["loss_vs_fp32_masters_pct"] = round(
+                100 * (row["loss_mean"] / anchor["loss_mean"] - 1), 2)
     return {"steps": steps, "seeds": seeds, "lr": lr, "width": width, "modes": rows}
 
 
@@ -138,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--modes", default=",".join(MODES), help="a subset of: " + ", ".join(MODES))
     parser.add_argument("--out", default=None, help="write the results as JSON here too")
     parser.add_argument("--main-job", action="store_true", help="the main job's models instead")
     parser.add_argument("--models", default="mlp,lenet5,transformer")
@@ -152,14 +166,21 @@ def main(argv: list[str] | None = None) -> None:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
         return
-    result = run(args.steps, args.seeds, args.lr, args.width)
-    print(f"{'mode':14} {'B/param':>8} {'step vs fp32':>13} {'loss mean':>10} {'stdev':>8}")
+    modes = tuple(args.modes.split(","))
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    result = run(args.steps, args.seeds, args.lr, args.width, modes)
+    print(f"{'mode':14} {'B/param':>8} {'step vs fp32':>13} {'loss mean':>10} {'stdev':>8} "
+          f"{'vs fp32':>8}")  # fmt: skip
     for mode, row in result["modes"].items():
         if "skipped" in row:
             print(f"{mode:14} skipped: {row['skipped']}")
             continue
-        print(f"{mode:14} {row['bytes_per_param']:8.2f} {row['step_time_vs_fp32_masters']:13.3f} "
-              f"{row['loss_mean']:10.4f} {row['loss_stdev']:8.4f}")  # fmt: skip
+        print(f"{mode:14} {row['bytes_per_param']:8.2f} "
+              f"{row.get('step_time_vs_fp32_masters', float('nan')):13.3f} "
+              f"{row['loss_mean']:10.4f} {row['loss_stdev']:8.4f} "
+              f"{row.get('loss_vs_fp32_masters_pct', float('nan')):+7.2f}%")  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -6,19 +6,29 @@
 * :class:`GradScaler` - a drop-in for ``torch.amp.GradScaler`` over the same engine.
 * :class:`CheckpointState` - ``torch.distributed.checkpoint`` of a model and its
   ``LossScaleOptimizer`` (loaded on first use).
+* :class:`AdamW8bit` - AdamW with 8-bit moments (2 bytes of state per parameter).
+* :class:`Split8MasterWeights` - the ``"split8"`` masters: bfloat16 weight + int8 correction.
+* :class:`GradientRelease` - each parameter stepped during ``backward()``, gradients freed.
 
 The modules behind them are internal: ``_loss_scale_optimizer`` (the wrapper and its
 step), ``_masters`` (what is stepped: the master-weight modes), ``_clipping``,
-``_ema``, ``_accumulation``, ``_grad_scaler`` and ``_distributed_checkpoint``; the
+``_ema``, ``_accumulation``, ``_grad_scaler``, ``_distributed_checkpoint``,
+``_split8``, ``_compressed_adamw`` and ``_release``; the
 step protocol they share is :mod:`mixprec.loss_scale`.
 """
 
 from typing import Any
 
+from mixprec.optim._compressed_adamw import AdamW8bit
 from mixprec.optim._grad_scaler import GradScaler
 from mixprec.optim._loss_scale_optimizer import LossScaleOptimizer, joint_step
+from mixprec.optim._release import GradientRelease
+from mixprec.optim._split8 import Split8MasterWeights
 
-__all__ = ["GradScaler", "LossScaleOptimizer", "joint_step", "CheckpointState"]
+__all__ = [
+    "GradScaler", "LossScaleOptimizer", "joint_step", "CheckpointState", "AdamW8bit",
+    "Split8MasterWeights", "GradientRelease",
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:
