@@ -188,9 +188,12 @@ def live_storages() -> dict[int, tuple[torch.dtype, int]]:
     for obj in gc.get_objects():
         # type(), not isinstance: some module objects warn when asked for __class__.
         if issubclass(type(obj), torch.Tensor) and obj.device.type != "meta":
-            storage = obj.untyped_storage()
-            if storage.nbytes():
-                found[storage.data_ptr()] = (obj.dtype, storage.nbytes())
+            try:
+                storage = obj.untyped_storage()
+                if storage.nbytes():
+                    found[storage.data_ptr()] = (obj.dtype, storage.nbytes())
+            except RuntimeError:  # a fake tensor left by an earlier compile: no storage
+                continue
     return found
 
 
