@@ -12,7 +12,8 @@ weight decay 0.01, batch 16) with torch's clipping recipe as written at every re
 
 Recipes (bfloat16 throughout): ``float32``; ``autocast`` (``torch.autocast``, float32
 parameters, no scaler: bfloat16 needs none); mixprec ``O1``; ``O2`` (float32
-masters); ``O2-split`` (``master_weights="split"``); ``lean-kahan`` and
+masters); ``O3`` (bfloat16 parameters, no masters); ``rewrite`` (the graph rewrite of
+the model, float32 parameters); ``O2-split`` (``master_weights="split"``); ``lean-kahan`` and
 ``lean-stochastic`` (the lean level); ``split8`` (O2's casts with
 :class:`~mixprec.optim.Split8MasterWeights` around torch's AdamW) and ``split8-8bit``
 (the same around :class:`~mixprec.optim.AdamW8bit`). Each recipe is trained from the
@@ -43,12 +44,13 @@ import torch
 
 from mixprec import amp
 from mixprec.optim import AdamW8bit, LossScaleOptimizer, Split8MasterWeights
+from mixprec.rewrite import rewrite
 from mixprec.tools._memory import live_tensor_bytes
 
 __all__ = ["RECIPES", "measure", "run"]
 
-RECIPES = ("float32", "autocast", "O1", "O2", "O2-split", "lean-kahan", "lean-stochastic",
-           "split8", "split8-8bit")  # fmt: skip
+RECIPES = ("float32", "autocast", "O1", "O2", "O3", "rewrite", "O2-split", "lean-kahan",
+           "lean-stochastic", "split8", "split8-8bit")  # fmt: skip
 
 _TESTS = Path(__file__).resolve().parent.parent / "tests"
 
@@ -67,18 +69,23 @@ def _with_split8(opt: LossScaleOptimizer) -> LossScaleOptimizer:
     return opt
 
 
-def build(recipe: str, model: torch.nn.Module, lr: float, weight_decay: float) -> Any:
-    """(model, optimizer, mixprec?) for ``recipe``; the model is changed in place."""
+def build(
+    recipe: str, model: torch.nn.Module, lr: float, weight_decay: float, example: torch.Tensor
+) -> Any:
+    """(model, optimizer) for ``recipe``; the model is changed in place."""
     bf16 = torch.bfloat16
     if recipe in ("float32", "autocast"):
         return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    if recipe == "rewrite":  # the graph holds the model's float32 parameters
+        inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        return rewrite(model, (example,), dtype=bf16), LossScaleOptimizer(inner, "none")
     if recipe in ("split8", "split8-8bit"):
         cls: Any = AdamW8bit if recipe == "split8-8bit" else torch.optim.AdamW
         inner = cls(model.parameters(), lr=lr, weight_decay=weight_decay)
         model, opt = amp.initialize(model, inner, "O2", bf16, master_weights=False)
         return model, _with_split8(opt)
     level, masters = {
-        "O1": ("O1", None), "O2": ("O2", None), "O2-split": ("O2", "split"),
+        "O1": ("O1", None), "O2": ("O2", None), "O3": ("O3", None), "O2-split": ("O2", "split"),
         "lean-kahan": ("lean", "kahan"), "lean-stochastic": ("lean", "stochastic"),
     }[recipe]  # fmt: skip
     inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -94,7 +101,7 @@ def measure(recipe: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     model = rm.gpt2(layers=args.layers, width=args.width, heads=args.heads,
                     context=args.context, seed=seed, resid_pdrop=0.0, embd_pdrop=0.0,
                     attn_pdrop=0.0)  # fmt: skip
-    model, opt = build(recipe, model, args.lr, args.weight_decay)
+    model, opt = build(recipe, model, args.lr, args.weight_decay, batches[0][0])
     mixprec = isinstance(opt, LossScaleOptimizer)
     n = sum(p.numel() for p in model.parameters())
     times, with_grads = [], 0.0

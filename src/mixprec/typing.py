@@ -20,7 +20,7 @@ that a type checker rejects a misspelt option before the code runs::
   (:func:`mixprec.loss_scale_from_spec`; ``amp.initialize`` reads ``None`` as the
   level's default).
 * :data:`MasterWeights` - what the optimizer steps for low-precision parameters:
-  ``True``/``"fp32"`` (float32 masters), ``"split"``, ``"kahan"``, ``"stochastic"``,
+  ``True``/``"fp32"`` (float32 masters), ``"split"``, ``"split8"``, ``"kahan"``, ``"stochastic"``,
   or ``False`` (the parameters themselves).
 * :data:`Float8Recipe` - ``fp8=`` of ``amp.initialize``: ``True``/``"dynamic"``,
   ``"delayed"``, or ``False``/``None`` (no float8).
@@ -79,7 +79,7 @@ LowPrecision: TypeAlias = Union[
 LossScaleSpec: TypeAlias = Union[Literal["dynamic", "none"], float, int, None, "LossScale"]
 
 #: A master-weight mode (``mixprec.optim._masters.MASTER_WEIGHT_MODES``; ``True`` is ``"fp32"``).
-MasterWeights: TypeAlias = bool | Literal["fp32", "split", "kahan", "stochastic"]
+MasterWeights: TypeAlias = bool | Literal["fp32", "split", "split8", "kahan", "stochastic"]
 
 #: A float8 recipe (``mixprec.amp._levels.check_fp8``; ``True`` is ``"dynamic"``).
 Float8Recipe: TypeAlias = bool | Literal["dynamic", "delayed"] | None

@@ -142,6 +142,7 @@ __all__ = [
     "initialize",
     "LEVELS",
     "check_fp8",
+    "check_master_weights",
     "check_level_name",
     "level_master_weights",
     "resolve_level",
@@ -247,8 +248,8 @@ def initialize(
         master_weights: what the optimizer steps for the low-precision parameters of O2,
             O3 and lean (:class:`~mixprec.optim.LossScaleOptimizer`'s option): ``None``
             the level's own (O2 ``"fp32"``, lean ``"kahan"``, O3 ``False``), or
-            ``"fp32"``/``True``, ``"split"``, ``"kahan"``, ``"stochastic"``, ``False``.
-            ``"split"`` and ``"stochastic"`` need bfloat16. O0/O1 keep float32
+            ``"fp32"``/``True``, ``"split"``, ``"split8"``, ``"kahan"``, ``"stochastic"``,
+            ``False``. ``"split"``, ``"split8"`` and ``"stochastic"`` need bfloat16. O0/O1 keep float32
             parameters, so anything but ``None``/``False`` is refused there.
         fp8: run the model's eligible ``nn.Linear`` layers in float8 (forward and both
             backward matmuls, :mod:`mixprec.float8`) at any level: ``True`` or
@@ -302,7 +303,9 @@ def initialize(
     white = check_list("white_list", white_list)
     black = check_list("black_list", black_list)
     level, dtype = resolve_level(model, level, dtype)
-    masters = _check_master_weights(master_weights, level, dtype, optimizer)
+    masters = check_master_weights(master_weights, level, dtype)
+    if optimizer is None and master_weights is not None and masters:
+        raise ValueError(f"master_weights={master_weights!r} needs an optimizer to apply it to")
     fp8_recipe = check_fp8(fp8)
     lean = level == "lean"
     level = "O3" if lean else level  # lean is O3's casts with compensated updates
@@ -419,21 +422,21 @@ def level_master_weights(level: str) -> MasterWeights:
     return "kahan" if level == "lean" else False
 
 
-def _check_master_weights(
-    value: MasterWeights | None, level: Level, dtype: torch.dtype, optimizer: Any
-) -> MasterWeights:
-    """The ``master_weights`` mode for ``level``: its default for ``None``, else checked."""
+def check_master_weights(value: MasterWeights | None, level: Level, dtype: torch.dtype) -> MasterWeights:
+    """The ``master_weights`` mode for ``level``: its default for ``None``, else checked.
+
+    >>> check_master_weights(None, "O2", torch.bfloat16), check_master_weights("split8", "O2", torch.bfloat16)
+    ('fp32', 'split8')
+    """
     if value is None:
         return level_master_weights(level)
     mode = master_weight_mode(value)
-    if optimizer is None and mode:
-        raise ValueError(f"master_weights={value!r} needs an optimizer to apply it to")
     if mode and level in ("O0", "O1"):
         raise ValueError(
             f"master_weights={value!r} with level={level!r}: {level} keeps every parameter in "
             "float32, so there is nothing to keep masters of; use O2, O3 or lean"
         )
-    if mode in ("split", "stochastic") and dtype != torch.bfloat16:
+    if mode in ("split", "split8", "stochastic") and dtype != torch.bfloat16:
         raise ValueError(
             f"master_weights={value!r} works on bfloat16 parameters, got dtype={dtype}; "
             "use dtype=torch.bfloat16, or master_weights='fp32'/'kahan' for float16"

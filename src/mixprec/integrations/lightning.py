@@ -10,7 +10,7 @@ What it does, at the points where Lightning calls a precision plugin::
 
     convert_module(module)    amp.initialize(module, None, level, dtype)   # before DDP wraps it
     connect(optimizers)       each -> LossScaleOptimizer(opt, one shared loss scale,
-                                                         level_master_weights(level))
+                                                         master_weights)
     pre_backward(loss)        loss * scale
     optimizer_step(opt)       closure (forward + backward)
                               -> opt.unscale_()                            # true gradients
@@ -35,15 +35,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mixprec import amp
 from mixprec._checks import check_bool
-from mixprec.amp._levels import check_fp8, level_master_weights
+from mixprec.amp._levels import check_fp8, check_master_weights
 from mixprec.integrations._common import check_level, level_loss_scale, require
 from mixprec.optim import LossScaleOptimizer
+
+if TYPE_CHECKING:
+    from mixprec.typing import MasterWeights
 
 require("lightning", "lightning", __name__)
 
@@ -83,6 +86,9 @@ class MixprecPrecision(Precision):
         log_metrics: log ``mixprec/loss_scale`` and ``mixprec/skipped_steps`` at every
             optimizer step through ``LightningModule.log`` (Lightning's loggers write
             them every ``log_every_n_steps``).
+        master_weights: what each optimizer steps at O2, O3 and lean, as
+            ``amp.initialize(..., master_weights=)``: ``None`` (default) the level's own,
+            or ``"fp32"``, ``"split"``, ``"split8"``, ``"kahan"``, ``"stochastic"``, ``False``.
 
     Return the plain optimizer from ``configure_optimizers``; the plugin wraps it (a
     ``LossScaleOptimizer`` there is a ``TypeError``).
@@ -105,6 +111,7 @@ class MixprecPrecision(Precision):
         device: torch.device | str | None = None,
         fp8: bool | str = False,
         log_metrics: bool = True,
+        master_weights: MasterWeights | None = None,
     ) -> None:
         check_bool("log_metrics", log_metrics)
         self.fp8 = check_fp8(fp8)
@@ -115,6 +122,7 @@ class MixprecPrecision(Precision):
         self.device = str(device)  # as Lightning's MixedPrecision has it
         self.level, self.dtype = check_level(level, dtype, device)
         self.loss_scale = level_loss_scale(loss_scale, self.level, self.dtype)
+        self.master_weights = check_master_weights(master_weights, self.level, self.dtype)
         self.log_metrics = log_metrics
         self.precision = _lightning_name(self.level, self.dtype)  # type: ignore[assignment]
         self._converted: weakref.WeakSet = weakref.WeakSet()
@@ -125,7 +133,7 @@ class MixprecPrecision(Precision):
     def __repr__(self) -> str:
         return (
             f"MixprecPrecision(level={self.level!r}, dtype={self.dtype}, "
-            f"loss_scale={self.loss_scale!r})"
+            f"loss_scale={self.loss_scale!r}, master_weights={self.master_weights!r})"
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -190,9 +198,7 @@ class MixprecPrecision(Precision):
                     "during the step, after the plugin has unscaled the gradients"
                 )
         wrapped = [
-            LossScaleOptimizer(
-                opt, self.loss_scale, master_weights=level_master_weights(self.level)
-            )
+            LossScaleOptimizer(opt, self.loss_scale, master_weights=self.master_weights)
             if any(g["params"] for g in opt.param_groups) and not is_mine(opt)
             else opt  # this plugin's already, or Lightning's placeholder (no optimizer)
             for opt in optimizers

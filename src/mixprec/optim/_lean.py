@@ -178,7 +178,8 @@ class LeanUpdates:
                 continue  # float32 parameters (kept normalisation layers) step as they are
             self._low.append(p)
             key = str(p.device)
-            if key not in self._generators:
+            # Only stochastic rounding draws random numbers; kahan saves no generator state.
+            if self.mode == "stochastic" and key not in self._generators:
                 self._generators[key] = torch.Generator(device=p.device).manual_seed(self.seed)
             last = runs[-1] if runs else None
             if not p.is_contiguous():
@@ -373,7 +374,9 @@ class LeanUpdates:
                 f"the checkpoint's master weights are {saved or 'fp32'!r}, this optimizer's "
                 f"are {self.mode!r}; build the optimizer with master_weights={saved or 'fp32'!r}"
             )
-        comp, gens = state["compensation"], state["generators"]
+        # Older kahan checkpoints carry a generator state it never used: ignored.
+        comp = state["compensation"]
+        gens = state.get("generators", {}) if self.mode == "stochastic" else {}
         if (
             len(comp) != len(self.compensation)
             or any(s.shape != c.shape for s, c in zip(comp, self.compensation))

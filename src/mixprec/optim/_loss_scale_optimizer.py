@@ -329,11 +329,14 @@ def check_options(
     mode = master_weight_mode(master_weights)
     if mode == "fp32":
         MasterWeights.check(inner_optimizer)
-    elif mode == "split":
-        SplitMasterWeights.check(inner_optimizer)
+    elif mode in ("split", "split8"):
+        from mixprec.optim._split8 import Split8MasterWeights  # it builds on _masters
+
+        (SplitMasterWeights if mode == "split" else Split8MasterWeights).check(inner_optimizer)
         if use_ema:
             raise ValueError(
-                "use_ema=True needs float32 masters that live between steps; "
+                f"use_ema=True needs float32 masters that live between steps, and "
+                f"master_weights={mode!r} rebuilds them only for the step; "
                 "use master_weights='fp32' with use_ema=True"
             )
     elif mode:
@@ -366,7 +369,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         loss_scale_factor: a fixed extra factor on the loss, removed from the gradients.
         gradient_accumulation_steps: step every N ``step()`` calls on the average gradient;
             one overflowing micro-batch skips the window (``zero_grad()`` after each).
-        master_weights: True/"fp32" (float32 masters are stepped), "kahan" or "stochastic"
+        master_weights: True/"fp32" (float32 masters are stepped), "split"/"split8" (float32
+            masters rebuilt from the bfloat16 weight and 16/8 stored bits), "kahan" or "stochastic"
             (the low-precision parameters are stepped, updates kept: see mixprec.optim._masters).
         skip_nonfinite: ``False`` applies every step, even one with inf/NaN gradients.
         process_group: the ranks that skip together: ``None`` (default) all ranks once
@@ -481,7 +485,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         return self._ema is not None
 
     @property
-    def master_weights(self) -> bool | str:  # False, True (float32), "kahan" or "stochastic"
+    def master_weights(self) -> bool | str:  # False, True (float32), or the mode's name
         return getattr(self._master, "mode", True) if self._master is not None else False
 
     def _factor(self) -> float:

@@ -16,6 +16,9 @@ The modes (bytes per parameter with AdamW, parameter included):
 * ``"fp32"`` - :class:`MasterWeights`: float32 copies, stepped, copied back (14).
 * ``"split"`` - :class:`SplitMasterWeights`: the bfloat16 weight plus the master's
   low 16 bits, rebuilt bit for bit for the step (12); equal to ``"fp32"``.
+* ``"split8"`` - :class:`~mixprec.optim.Split8MasterWeights`: the bfloat16 weight plus
+  an 8-bit correction in units of its last place (11, or 7 with
+  :class:`~mixprec.optim.AdamW8bit`); the update runs in float32 on the rebuilt weight.
 * ``"kahan"``/``"stochastic"`` - :class:`LeanUpdates`: the low-precision parameters
   are stepped, with a compensation buffer or stochastic rounding keeping the small
   updates (8 and 6); these also own the step (``step(found_inf, skip, weight_decay)``),
@@ -438,10 +441,12 @@ class SplitMasterWeights(MasterWeights):
 
 
 
-MASTER_WEIGHT_MODES = (False, "fp32", "split", "kahan", "stochastic")
+MASTER_WEIGHT_MODES = (False, "fp32", "split", "split8", "kahan", "stochastic")
 
 
-def master_weight_mode(value: Any) -> Literal[False, "fp32", "split", "kahan", "stochastic"]:
+def master_weight_mode(
+    value: Any,
+) -> Literal[False, "fp32", "split", "split8", "kahan", "stochastic"]:
     """Normalise ``master_weights=``: ``True`` means ``"fp32"``; raise on anything else.
 
     >>> master_weight_mode(True), master_weight_mode("kahan"), master_weight_mode(False)
@@ -451,7 +456,8 @@ def master_weight_mode(value: Any) -> Literal[False, "fp32", "split", "kahan", "
         return "fp32"
     if not isinstance(value, (bool, str)):
         raise TypeError(
-            f"master_weights must be True, False or one of 'fp32', 'split', 'kahan', 'stochastic', "
+            "master_weights must be True, False or one of 'fp32', 'split', 'split8', 'kahan', "
+            f"'stochastic', "
             f"got {type(value).__name__} {value!r}"
         )
     return check_choice("master_weights", value, MASTER_WEIGHT_MODES,
@@ -460,8 +466,13 @@ def master_weight_mode(value: Any) -> Literal[False, "fp32", "split", "kahan", "
 
 def build_master(inner_optimizer: torch.optim.Optimizer, master_weights: Any) -> Any:
     """The part that owns what is stepped: ``MasterWeights``, ``SplitMasterWeights``,
-    ``LeanUpdates``, or ``None`` (the model's parameters are stepped as they are)."""
+    ``Split8MasterWeights``, ``LeanUpdates``, or ``None`` (the model's parameters are
+    stepped as they are)."""
     mode = master_weight_mode(master_weights)
+    if mode == "split8":
+        from mixprec.optim._split8 import Split8MasterWeights  # it builds on this module
+
+        return Split8MasterWeights(inner_optimizer)
     if mode in ("fp32", "split"):
         return (MasterWeights if mode == "fp32" else SplitMasterWeights)(inner_optimizer)
     return LeanUpdates(inner_optimizer, mode) if mode else None

@@ -30,7 +30,7 @@ import copy
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,11 +38,15 @@ from mixprec._checks import as_low_precision, check_bool, check_choice, check_in
 from mixprec.amp._levels import choose_auto
 from mixprec.loss_scale import default_loss_scale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim._masters import master_weight_mode
 from mixprec.train import _checkpoint as checkpoint
 from mixprec.train._divergence import DivergenceGuard, resolve_guard
 from mixprec.train._names import AMP_LEVELS
 from mixprec.train.callbacks import Callback, CallbackList, History, RunState
 from mixprec.train.metrics import build_metric
+
+if TYPE_CHECKING:
+    from mixprec.typing import MasterWeights as MasterWeightsOption
 
 __all__ = ["Model", "AMP_LEVELS", "resolve_dtype", "resolve_device", "default_low_precision_dtype"]
 
@@ -79,6 +83,20 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     if dtype is None:
         return default_low_precision_dtype(device)
     return as_low_precision(dtype, "dtype", hint="use amp_level='O0' to train in float32")
+
+
+def _check_master_weights_option(value: Any, amp_level: str) -> Any:
+    """``master_weights=`` for ``Model``: a mode name (checked), or ``None`` for the level's."""
+    if value is None:
+        return None
+    mode = master_weight_mode(value)
+    if amp_level == "rewrite" and mode:
+        raise ValueError(
+            f"master_weights={value!r} with amp_level='rewrite': the rewrite keeps float32 "
+            "parameters, so there is nothing to keep masters of; use amp_level='O2', 'O3' "
+            "or 'lean'"
+        )
+    return value
 
 
 def _build_metrics(metrics: Any) -> dict[str, Any]:
@@ -131,6 +149,9 @@ class Model:
         dtype: the low-precision dtype (default: float16 on CUDA, bfloat16 on CPU).
         device: default CUDA if available, else CPU.
         compile: ``True`` compiles the network in place (``nn.Module.compile``), any level.
+        master_weights: what the optimizer steps at O2, O3 and lean (``amp.initialize``'s
+            option): ``None`` (default) the level's own, or ``"fp32"``, ``"split"``,
+            ``"split8"``, ``"kahan"``, ``"stochastic"``, ``False``.
     """
 
     def __init__(
@@ -147,6 +168,7 @@ class Model:
         skip_nonfinite: bool = True,
         divergence: DivergenceGuard | bool | None = None,
         compile: bool = False,
+        master_weights: MasterWeightsOption | None = None,
     ) -> None:
         check_instance("network", network, torch.nn.Module, "a torch.nn.Module")
         check_choice("amp_level", amp_level, AMP_LEVELS)
@@ -183,6 +205,7 @@ class Model:
         self.history: History | None = None
         self._generator: torch.Generator | None = None
         self._ready, self._compile = False, check_bool("compile", compile)
+        self._master_weights = _check_master_weights_option(master_weights, amp_level)
         if amp_level != "rewrite":
             self._prepare(None)
 
@@ -218,6 +241,7 @@ class Model:
                 level=self.amp_level,
                 dtype=self.dtype,
                 loss_scale=self._loss_scale,
+                master_weights=self._master_weights,
             )
         if self.optimizer is not None and not self._skip_nonfinite:
             self.optimizer.skip_nonfinite = False
