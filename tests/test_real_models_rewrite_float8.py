@@ -384,3 +384,26 @@ def test_a_float8_gpt2_resumes_its_scaling_state_exactly():
     assert any(key.endswith("amax_history") for key in want)
     for key, tensor in resumed.state_dict().items():
         assert torch.equal(tensor, want[key]), key
+
+
+def test_a_plain_checkpoint_loads_strictly_into_a_float8_model_keeping_its_scaling_state():
+    """Pretrained plain weights into an already converted model: every weight loads,
+    the scalings keep their state; a float8 checkpoint missing one scaling entry is
+    still refused."""
+    pretrained = real_models.gpt2(layers=1, width=32, seed=1).state_dict()
+    model = real_models.gpt2(layers=1, width=32)
+    float8.convert_to_float8(model, "delayed", history_len=4)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1),
+           real_models.char_batches(batch=2, length=8, steps=1), head=lambda out: out.logits)  # fmt: skip
+    scaling = {k: v.clone() for k, v in model.state_dict().items() if "_scaling." in k}
+    assert any(v.abs().sum() > 0 for k, v in scaling.items() if k.endswith("amax_history"))
+    model.load_state_dict(pretrained, strict=True)
+    state = model.state_dict()
+    for key, tensor in pretrained.items():
+        assert torch.equal(state[key], tensor), key
+    for key, tensor in scaling.items():
+        assert torch.equal(state[key], tensor), key
+    damaged = dict(state)
+    del damaged["transformer.h.0.mlp.c_fc.grad_scaling.amax_history"]
+    with pytest.raises(RuntimeError, match=r"Missing key.*c_fc\.grad_scaling\.amax_history"):
+        model.load_state_dict(damaged, strict=True)
