@@ -430,6 +430,7 @@ class Variant:
     level: str | None = None  # "O1", "O2", "O3", "lean", "rewrite"; None: torch.autocast
     scaler: str | None = None  # with autocast: "torch" or "mixprec" GradScaler
     master_weights: str | None = None
+    adamw8bit: bool = False  # mixprec.optim.AdamW8bit instead of torch's fused AdamW
 
     @property
     def anchor(self) -> str:
@@ -447,6 +448,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("O3 bf16", _BF16, "O3"),
     Variant("lean bf16", _BF16, "lean"),
     Variant("lean stochastic bf16", _BF16, "lean", master_weights="stochastic"),
+    Variant("O2 split8 bf16", _BF16, "O2", master_weights="split8"),
+    Variant("O2 split8+AdamW8bit bf16", _BF16, "O2", master_weights="split8", adamw8bit=True),
     Variant("rewrite bf16", _BF16, "rewrite"),
     Variant("autocast+GradScaler fp16", _FP16, scaler="torch"),
     Variant("autocast+mixprec.GradScaler fp16", _FP16, scaler="mixprec"),
@@ -505,7 +508,12 @@ def prepare(variant: Variant, factory: Callable[[], nn.Module], example_x: torch
     torch.manual_seed(seed)
     model = factory()
     model.train()
-    inner = make_optimizer(model.parameters(), "cpu")
+    if variant.adamw8bit:
+        from mixprec.optim import AdamW8bit
+
+        inner: torch.optim.Optimizer = AdamW8bit(model.parameters(), lr=1e-3)
+    else:
+        inner = make_optimizer(model.parameters(), "cpu")
     if variant.level is None:
         scaler: Any = None
         if variant.scaler == "torch":

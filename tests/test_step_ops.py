@@ -1,13 +1,14 @@
 """What an optimizer step dispatches: nothing written when the scale is 1 for good, and
-the same number of kernels for 4 parameters as for 16 (split masters)."""
+the same number of kernels for 4 parameters as for 16 (split and split8 masters)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale
-from mixprec.optim import LossScaleOptimizer
+from mixprec.optim import AdamW8bit, LossScaleOptimizer
 
 
 class _Ops(TorchDispatchMode):
@@ -60,11 +61,11 @@ def test_no_scaling_still_skips_a_nonfinite_step():
     assert int(opt.iterations) == 1 and not torch.equal(params[0], before[0])
 
 
-def _split_step_ops(count: int) -> list[str]:
+def _split_step_ops(count: int, mode: str = "split", eight_bit: bool = False) -> list[str]:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3, 5).bfloat16()) for _ in range(count)]
-    opt = LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=True), None,
-                             master_weights="split")  # fmt: skip
+    inner = AdamW8bit(params, lr=1e-3) if eight_bit else torch.optim.AdamW(params, lr=1e-3, fused=True)
+    opt = LossScaleOptimizer(inner, None, master_weights=mode)
     for _ in range(2):  # the second step is the steady state
         opt.zero_grad()
         opt.scale_loss(sum((p.float() ** 2).sum() for p in params)).backward()
@@ -75,6 +76,9 @@ def _split_step_ops(count: int) -> list[str]:
     return [n for n in ops.names if n.split(".")[0] not in metadata]
 
 
-def test_split_masters_step_in_kernels_independent_of_the_parameter_count():
-    few, many = _split_step_ops(4), _split_step_ops(16)
+@pytest.mark.parametrize(("mode", "eight_bit"), [("split", False), ("split8", False), ("split8", True)])
+def test_split_masters_step_in_kernels_independent_of_the_parameter_count(mode, eight_bit):
+    """split and split8 masters (and AdamW8bit, within one chunk) step every parameter
+    of a group in the same kernels: the count does not grow with the parameters."""
+    few, many = _split_step_ops(4, mode, eight_bit), _split_step_ops(16, mode, eight_bit)
     assert len(few) == len(many), sorted(set(many) - set(few))

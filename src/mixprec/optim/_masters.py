@@ -369,7 +369,7 @@ class SplitMasterWeights(MasterWeights):
         # Per (device, dtype) group of _grouped(): the low halves and ties of all its
         # masters, flat, so a step rebuilds and splits them in a few kernels, not a few
         # per parameter; and, while the masters live, the flat buffer they view.
-        self._halves: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._halves: list[Any] | None = None  # per group, what _split_flat kept
         self._live: list[torch.Tensor] | None = None
         self._release()
 
@@ -380,6 +380,14 @@ class SplitMasterWeights(MasterWeights):
         self._release()
         return group
 
+    def _split_flat(self, flat: torch.Tensor, weights: torch.Tensor) -> Any:
+        """What is kept of a group's flat float32 masters beside their rounded weights."""
+        return split_bits(flat, weights)
+
+    def _join_flat(self, weights: torch.Tensor, kept: Any) -> torch.Tensor:
+        """The group's flat float32 masters from its flat weights and what was kept."""
+        return join_bits(weights, *kept)
+
     def _rebuild(self) -> None:
         """Materialise the float32 masters from the weights and their low halves."""
         if self._halves is None:
@@ -387,9 +395,9 @@ class SplitMasterWeights(MasterWeights):
         halves, self._halves = self._halves, None
         with torch.no_grad():
             self._live = []
-            for (models, masters), (low, ties) in zip(self._grouped(), halves):
+            for (models, masters), kept in zip(self._grouped(), halves):
                 weights = torch.cat([p.detach().reshape(-1) for p in models])
-                flat = join_bits(weights, low, ties)
+                flat = self._join_flat(weights, kept)
                 for m, p, view in zip(masters, models, flat.split([p.numel() for p in models])):
                     m.data = view.view(p.shape)
                 self._live.append(flat)
@@ -407,7 +415,7 @@ class SplitMasterWeights(MasterWeights):
                     else torch.cat([m.detach().reshape(-1) for m in masters])
                 )
                 # The weights are the masters rounded to nearest, as masters_to_model wrote.
-                halves.append(split_bits(flat, flat.to(models[0].dtype)))
+                halves.append(self._split_flat(flat, flat.to(models[0].dtype)))
                 for m in masters:
                     m.data = torch.empty(0, dtype=torch.float32, device=m.device)
                     m.grad = None
@@ -427,8 +435,8 @@ class SplitMasterWeights(MasterWeights):
             return {"mode": self.mode, "masters": [m.detach().clone() for _, m in self._low]}
         joined: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            for (models, masters), (low, ties) in zip(self._grouped(), self._halves):
-                flat = join_bits(torch.cat([p.detach().reshape(-1) for p in models]), low, ties)
+            for (models, masters), kept in zip(self._grouped(), self._halves):
+                flat = self._join_flat(torch.cat([p.detach().reshape(-1) for p in models]), kept)
                 views = flat.split([p.numel() for p in models])
                 joined.update({id(m): v.view(p.shape) for m, p, v in zip(masters, models, views)})
         return {"mode": self.mode, "masters": [joined[id(m)] for _, m in self._low]}

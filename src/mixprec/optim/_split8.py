@@ -146,40 +146,35 @@ class Split8MasterWeights(SplitMasterWeights):
                     "one; use master_weights='fp32' for float16 or sharded parameters"
                 )
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        # Before the base class's constructor: it ends by releasing (splitting) the masters.
-        self._corrections: dict[int, torch.Tensor] = {}
-        super().__init__(optimizer)
+    # The base class keeps one flat buffer per (device, dtype) group and rebuilds or
+    # splits a whole group in a few kernels; this mode only changes what is kept.
+
+    def _split_flat(self, flat: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return split8_bits(flat, weights)
+
+    def _join_flat(self, weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return join8_bits(weights, kept)
 
     @property
     def corrections(self) -> list[torch.Tensor]:
-        """The int8 corrections of the released masters, in :attr:`masters` order."""
-        return [self._corrections[id(m)] for _, m in self._low if id(m) in self._corrections]
-
-    def _rebuild(self) -> None:
-        with torch.no_grad():
-            for p, m in self._low:
-                if id(m) in self._corrections:
-                    m.data = join8_bits(p.detach(), self._corrections.pop(id(m)))
-
-    def _release(self) -> None:
-        with torch.no_grad():
-            for p, m in self._low:
-                if id(m) not in self._corrections:
-                    self._corrections[id(m)] = split8_bits(m.detach(), p.detach())
-                    m.data = torch.empty(0, dtype=torch.float32, device=m.device)
-                    m.grad = None
-
-    def _correction_of(self, p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        saved = self._corrections.get(id(m))
-        if saved is not None:
-            return saved.clone()
-        live = m.detach()  # mid-step: the master is live, the weight may be showing it
-        return split8_bits(live, live.to(torch.bfloat16))
+        """The int8 corrections of the released masters (views), in :attr:`masters`
+        order; empty while the masters are live (during a step)."""
+        if self._halves is None:
+            return []
+        views: dict[int, torch.Tensor] = {}
+        for (models, masters), flat in zip(self._grouped(), self._halves):
+            for p, m, v in zip(models, masters, flat.split([p.numel() for p in models])):
+                views[id(m)] = v.view(p.shape)
+        return [views[id(m)] for _, m in self._low]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode,
-                "corrections": [self._correction_of(p, m) for p, m in self._low]}  # fmt: skip
+        if self._halves is None:  # mid-step: the masters are live, the weights may show them
+            with torch.no_grad():
+                live = [m.detach() for _, m in self._low]
+                corrections = [split8_bits(m, m.to(torch.bfloat16)) for m in live]
+        else:
+            corrections = [c.clone() for c in self.corrections]
+        return {"mode": self.mode, "corrections": corrections}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load this mode's corrections (bit-exact with the model's weights), or the
@@ -219,9 +214,14 @@ class Split8MasterWeights(SplitMasterWeights):
         # this: only they are replaced (the model is not written), and the masters are
         # rebuilt from both at the next step.
         self.restore_model()
+        by_master = {id(m): s for s, (_, m) in zip(saved, self._low)}
         with torch.no_grad():
-            for s, (p, m) in zip(saved, self._low):
-                self._corrections[id(m)] = s.to(p.device, copy=True)
-                m.data = torch.empty(0, dtype=torch.float32, device=m.device)
-                m.grad = None
+            kept = []
+            for models, masters in self._grouped():
+                kept.append(torch.cat([by_master[id(m)].reshape(-1) for m in masters])
+                            .to(models[0].device))  # fmt: skip
+                for m in masters:
+                    m.data = torch.empty(0, dtype=torch.float32, device=m.device)
+                    m.grad = None
+        self._halves, self._live = kept, None
         self._mark_model_current()
