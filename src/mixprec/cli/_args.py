@@ -36,6 +36,7 @@ __all__ = [
     "COMPARE_LEVEL_TIMEOUT",
     "DEFAULTS",
     "LR_MAX",
+    "MASTER_WEIGHTS",
     "UsageError",
     "build_parser",
     "fill_defaults",
@@ -48,6 +49,12 @@ LR_MAX = 3.4e37
 
 #: ``mixprec compare --level-timeout``: seconds a level may run before it counts as stuck.
 COMPARE_LEVEL_TIMEOUT = 3600.0
+
+#: ``--master-weights`` choices: the library's modes (``master_weights=``) as the command
+#: line spells them, ``none`` for ``False``. Written out here, not imported: this module
+#: loads without torch (a test checks they match
+#: :data:`mixprec.optim._masters.MASTER_WEIGHT_MODES`).
+MASTER_WEIGHTS = ("fp32", "split", "split8", "kahan", "stochastic", "none")
 
 #: Defaults of the training options, filled in after parsing (:func:`fill_defaults`), so
 #: that a resumed run can tell a given option from a default.
@@ -264,6 +271,24 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
         + ("" if train else "; for every level (a single level: +fp8 in --levels)"),
     )
     p.add_argument(
+        "--master-weights",
+        choices=MASTER_WEIGHTS,
+        default=None,
+        metavar="MODE",
+        help="what the optimizer steps for the low-precision parameters (bytes per "
+        "parameter with AdamW): fp32 (14) float32 copies; split (12) the bfloat16 weight "
+        "plus the copy's low 16 bits, the same steps as fp32; split8 (11) the weight plus an "
+        "8-bit correction; kahan (8) compensated updates; stochastic (6) stochastic "
+        "rounding; none: the parameters stepped as they are. split, split8 and stochastic "
+        "need bfloat16; O0, O1 and rewrite keep float32 parameters (none only). Default: "
+        "the level's own (O2 fp32, lean kahan, O3 none"
+        + (
+            "; with --resume, the run's own)"
+            if train
+            else "), for every entry (a single entry: +split8 in --levels, which wins over this)"
+        ),
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="run the network through torch.compile (every level; the first steps compile)"
@@ -404,8 +429,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--levels",
         default="O0,O1,O2,O3,rewrite",
-        help="comma-separated amp levels, each optionally with +compile and/or +fp8 "
-        "(e.g. O2,O2+compile,O2+fp8; default: %(default)s)",
+        help="comma-separated amp levels, each optionally with +compile, +fp8 and/or a "
+        "master-weight mode (+fp32, +split, +split8, +kahan, +stochastic, +none; see "
+        "--master-weights) (e.g. O2,O2+compile,O2+fp8,O2+split8; default: %(default)s)",
     )
     _add_training_options(compare, "compare")
     compare.add_argument(

@@ -3,7 +3,9 @@
 A level may carry options after ``+``: ``O2+compile`` trains O2 under ``torch.compile``
 (``--compile`` compiles every entry) and ``O2+fp8`` with float8 linear layers (dynamic
 scaling; ``--fp8`` for every entry), so ``--levels O2,O2+compile,O2+fp8`` puts them
-side by side.
+side by side. A master-weight mode after ``+`` (``O2+split8``, ``lean+stochastic``: one
+of :data:`~mixprec.cli._args.MASTER_WEIGHTS`) is ``--master-weights`` for that entry,
+and wins over a ``--master-weights`` given for every entry.
 
 Each level trains in a fresh process, so its peak memory is its own and not whatever
 the levels before it left behind. The table (accuracy, loss, median step time, peak
@@ -11,9 +13,10 @@ memory, skipped steps) is also written to ``compare.json`` and plotted to
 ``compare.png`` in ``--out``.
 
 Every entry is checked before any trains (its level and options, ``+fp8`` on the
-model's layers, ``+compile`` on this platform). Progress goes to stderr (``--quiet``
-drops it): a line as each level starts and as it ends, with the level's number, the
-elapsed time and an estimate of the rest from the levels done so far::
+model's layers, ``+compile`` on this platform, its master-weight mode on its level and
+dtype). Progress goes to stderr (``--quiet`` drops it): a line as each level starts and
+as it ends, with the level's number, the elapsed time and an estimate of the rest from
+the levels done so far::
 
       [2/3] O2: started (elapsed 9 s, ETA 18 s)
       [2/3] O2: O2 bfloat16 in 8.7 s (elapsed 18 s, ETA 9 s)
@@ -46,12 +49,13 @@ from typing import Any
 
 import torch
 
-from mixprec.cli._args import UsageError, fill_defaults
+from mixprec.cli._args import MASTER_WEIGHTS, UsageError, fill_defaults
 from mixprec.cli._train import (
     DIVERGED,
     _to_float8,
     _write_json,
     build_run,
+    check_master_weights_arg,
     check_out_dir,
     load_data,
 )
@@ -67,7 +71,8 @@ __all__ = ["ENTRY_OPTIONS", "parse_entry", "run_compare", "run_level"]
 
 
 #: What may follow a level after ``+`` in ``--levels``: the ``mixprec train`` option
-#: it sets, and the value.
+#: it sets, and the value. A master-weight mode (one of
+#: :data:`~mixprec.cli._args.MASTER_WEIGHTS`) may follow too: it sets ``--master-weights``.
 ENTRY_OPTIONS = {"compile": True, "fp8": "dynamic"}
 
 
@@ -76,22 +81,39 @@ def parse_entry(text: str) -> tuple[str, tuple[str, ...]]:
 
     >>> parse_entry("O2+compile")
     ('O2', ('compile',))
+    >>> parse_entry("O2+split8+compile")  # a master-weight mode, at most one per entry
+    ('O2', ('split8', 'compile'))
     """
     level, *options = (part.strip() for part in text.split("+"))
-    bad = [o for o in options if o not in ENTRY_OPTIONS]
+    bad = [o for o in options if o not in ENTRY_OPTIONS and o not in MASTER_WEIGHTS]
     if level not in AMP_LEVELS or bad:
         raise UsageError(
             f"--levels: unknown {'option ' + repr(bad[0]) if bad else 'level ' + repr(level)} "
             f"in {text!r}; levels: {', '.join(AMP_LEVELS)}; options after '+': "
-            f"{', '.join(ENTRY_OPTIONS)} (e.g. O2+compile)"
+            f"{', '.join(ENTRY_OPTIONS)} or a master-weight mode ({', '.join(MASTER_WEIGHTS)}) "
+            "(e.g. O2+compile, O2+split8)"
+        )
+    modes = [o for o in options if o in MASTER_WEIGHTS]
+    if len(modes) > 1:  # one optimizer steps one way
+        raise UsageError(
+            f"--levels: {text!r} names {len(modes)} master-weight modes ({', '.join(modes)}); "
+            f"give one per entry, e.g. {level}+{modes[0]}"
         )
     return level, tuple(options)
 
 
+def _entry_args(args: argparse.Namespace, entry: str) -> tuple[str, argparse.Namespace]:
+    """The entry's level, and ``args`` with the options it carries after ``+`` set."""
+    level, options = parse_entry(entry)
+    chosen: dict[str, Any] = {o: ENTRY_OPTIONS[o] for o in options if o in ENTRY_OPTIONS}
+    for mode in (o for o in options if o in MASTER_WEIGHTS):  # at most one: parse_entry
+        chosen["master_weights"] = mode
+    return level, argparse.Namespace(**{**vars(args), **chosen})
+
+
 def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
     """Train one ``--levels`` entry in this (fresh) process and measure it."""
-    level, options = parse_entry(entry)
-    args = argparse.Namespace(**{**vars(args), **{o: ENTRY_OPTIONS[o] for o in options}})
+    level, args = _entry_args(args, entry)
     model, train, _, test, schedule = build_run(args, level)  # no validation: one test
     reset_peak_rss()  # count this level's training, not the imports before it
     step_times: list[float] = []
@@ -115,6 +137,8 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
         config += f" {str(model.dtype).replace('torch.', '')}"
     if args.fp8:
         config += f" fp8-{args.fp8}"
+    if args.master_weights:  # given, for this entry or every one: else the level's own
+        config += f" masters-{args.master_weights}"
     if args.compile:
         config += " compiled"
     return {
@@ -127,11 +151,6 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
     }
 
 
-def _entry_args(args: argparse.Namespace, entry: str) -> tuple[str, argparse.Namespace]:
-    level, options = parse_entry(entry)
-    return level, argparse.Namespace(**{**vars(args), **{o: ENTRY_OPTIONS[o] for o in options}})
-
-
 def _validate(args: argparse.Namespace, entries: list[str]) -> None:
     """Every entry's level and options, checked before anything trains or is written."""
     for entry in entries:
@@ -139,7 +158,11 @@ def _validate(args: argparse.Namespace, entries: list[str]) -> None:
     check_out_dir(args.out)
     _, _, _, classes, shape = load_data(args)  # fail on bad data before spawning anything
     for entry in entries:
-        _, entry_args = _entry_args(args, entry)
+        level, entry_args = _entry_args(args, entry)
+        mode = entry_args.master_weights
+        # Name where the mode came from: the entry, or --master-weights for every entry.
+        given = "" if mode in parse_entry(entry)[1] else f" with --master-weights {mode}"
+        check_master_weights_arg(entry_args, level, f"--levels {entry}{given}")
         if entry_args.fp8:  # the model must have a layer that can run in float8
             try:
                 _to_float8(build_model(args.model, classes, shape), entry_args)
@@ -309,15 +332,20 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append({"config": entry, "entry": entry, "status": status, "reason": found,
                          "exit_code": code})  # fmt: skip
         progress.end(i, entry, rows[-1]["config"] if status == "ok" else f"{status}: {found}")
-    header = f"{'config':<25}{'accuracy':>9}{'loss':>8}{'ms/step':>9}{'peak MB':>9}{'skipped':>9}"
+    # 25 wide, or wider for a long config ("lean bfloat16 masters-stochastic"), so the
+    # numbers stay in their columns.
+    width = max(25, 1 + max(len(r["config"]) for r in rows))
+    header = (
+        f"{'config':<{width}}{'accuracy':>9}{'loss':>8}{'ms/step':>9}{'peak MB':>9}{'skipped':>9}"
+    )
     print(header)
     print("-" * len(header))
     for r in rows:
         if r["status"] != "ok":
-            print(f"{r['config']:<25}  {r['status']} (exit {r['exit_code']}): {r['reason']}")
+            print(f"{r['config']:<{width}}  {r['status']} (exit {r['exit_code']}): {r['reason']}")
             continue
         print(
-            f"{r['config']:<25}{r['accuracy']:>9.4f}{r['loss']:>8.4f}{r['step_ms']:>9.2f}"
+            f"{r['config']:<{width}}{r['accuracy']:>9.4f}{r['loss']:>8.4f}{r['step_ms']:>9.2f}"
             f"{r['peak_mb']:>9.0f}{r['skipped_steps']:>9d}"
         )
     plotted = _save(args, rows, device)

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from mixprec._checks import as_dtype
-from mixprec.cli._args import LR_MAX, UsageError
+from mixprec.cli._args import LR_MAX, MASTER_WEIGHTS, UsageError
 from mixprec.train._checkpoint import CheckpointError, newest_readable
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 from mixprec.train.callbacks import ModelCheckpoint
@@ -82,8 +82,12 @@ RUN_FORMAT = "mixprec-run-2"
 KEEP_LAST = 2
 #: Settings a resumed run takes from its folder; a given option must agree with them.
 RESUMED = (
-    "level", "dtype", "loss_scale", "model", "data", "batch_size", "lr", "seed", "fp8", "compile"
+    "level", "dtype", "loss_scale", "model", "data", "batch_size", "lr", "seed", "fp8", "compile",
+    "master_weights",
 )  # fmt: skip
+#: Settings added to ``config.json`` since its format was last changed, with the value
+#: that a run written before them trained with: such a run stays resumable.
+ADDED = {"master_weights": None}
 #: The lock file that marks a run folder held by a process.
 LOCK_NAME = ".mixprec.lock"
 
@@ -173,6 +177,7 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise UsageError(f"--resume {folder}: config.json is unreadable ({err})") from None
     if not isinstance(config, dict):
         raise UsageError(f"--resume {folder}: config.json lacks settings")
+    config = {**ADDED, **config}
     if config.get("format") != RUN_FORMAT:
         found = "no format" if "format" not in config else f"format {config['format']!r}"
         raise UsageError(
@@ -231,6 +236,10 @@ _SETTINGS: dict[str, tuple[Any, str]] = {
     "threads": (_whole(1, optional=True), "a positive whole number or null"),
     "compile": (lambda v: isinstance(v, bool), "true or false"),
     "fp8": (lambda v: v in (None, "dynamic", "delayed"), "null, 'dynamic' or 'delayed'"),
+    "master_weights": (
+        lambda v: v is None or v in MASTER_WEIGHTS,
+        f"null (the level's own) or one of {', '.join(MASTER_WEIGHTS)}",
+    ),
     "max_skipped_fraction": (
         lambda v: v is None or _number_ok(v, 1.0),
         "a number in (0, 1] or null",

@@ -26,11 +26,11 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from mixprec.amp._levels import choose_auto, cpu_has_fast
+from mixprec.amp._levels import check_master_weights, choose_auto, cpu_has_fast
 from mixprec.cli._args import UsageError, fill_defaults
 from mixprec.cli._run_folder import (
     KEEP_LAST,
@@ -54,7 +54,12 @@ from mixprec.train._distributed import (
     shard_loader,
 )
 from mixprec.train._divergence import DivergenceError, check_skipped
-from mixprec.train._loop import Model, resolve_device
+from mixprec.train._loop import (
+    Model,
+    check_master_weights_option,
+    resolve_device,
+    resolve_dtype,
+)
 from mixprec.train._plots import plot_accuracy, plot_loss, plot_loss_scale
 from mixprec.train.callbacks import (
     Callback,
@@ -77,8 +82,17 @@ from mixprec.train.models import build_model
 
 if TYPE_CHECKING:
     from mixprec.float8 import Float8Report
+    from mixprec.typing import Level, MasterWeights
 
-__all__ = ["run_train", "build_run", "check_out_dir", "load_data", "DIVERGED", "Interrupted"]
+__all__ = [
+    "run_train",
+    "build_run",
+    "check_out_dir",
+    "check_master_weights_arg",
+    "load_data",
+    "DIVERGED",
+    "Interrupted",
+]
 
 #: What ``Model.train`` raises when a run diverges; the command exits with code 3.
 DIVERGED = (ScaleCollapseError, DivergenceError)
@@ -147,6 +161,41 @@ def _to_float8(network: torch.nn.Module, args: argparse.Namespace) -> Float8Repo
     return report
 
 
+def master_weights_value(args: argparse.Namespace) -> MasterWeights | None:
+    """``--master-weights`` as ``Model(master_weights=)`` takes it: ``None`` (left out)
+    for the level's own, ``False`` for ``none``, else the mode's name."""
+    text = getattr(args, "master_weights", None)
+    if text is None:
+        return None
+    return False if text == "none" else text
+
+
+def check_master_weights_arg(args: argparse.Namespace, level: str, where: str) -> None:
+    """Refuse a ``--master-weights`` mode that ``level`` (and the dtype it would train
+    in) cannot take, as a :class:`UsageError` starting with ``where`` (the option and
+    its value as given).
+
+    The rules are the library's (:func:`~mixprec.amp._levels.check_master_weights`, and
+    ``Model``'s own for the rewrite level), asked here before anything is built or
+    written, so a bad pair is one line and an empty folder rather than a refusal once
+    the model is built. ``auto`` is resolved first, as ``build_run`` will resolve it.
+    """
+    value = master_weights_value(args)
+    if value is None:  # the level's own mode: always fits
+        return
+    device = resolve_device(args.device)  # a bad --device is its own error, not ours
+    if level == "auto":
+        level, dtype, _ = choose_auto(device)
+        where += f" with --level auto ({level}, {_name(dtype)} on this machine)"
+    else:
+        dtype = resolve_dtype(args.dtype, device)
+    try:
+        check_master_weights_option(value, level)  # the rewrite keeps float32 parameters
+        check_master_weights(value, cast("Level", level), dtype)
+    except ValueError as err:  # the library's reason and fix, after the option
+        raise UsageError(f"{where}: {err}") from None
+
+
 def build_run(args: argparse.Namespace, level: str):
     """Seeded data, model, Model wrapper and LR schedule for one configuration.
 
@@ -177,6 +226,7 @@ def build_run(args: argparse.Namespace, level: str):
         dtype=args.dtype,
         device=device,
         compile=bool(getattr(args, "compile", False)),
+        master_weights=master_weights_value(args),
     )
     _check_range(args, model, train, val, test)
     return model, train, val, test, schedule
@@ -299,6 +349,8 @@ def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         "threads": args.threads,
         "compile": bool(getattr(args, "compile", False)),
         "fp8": getattr(args, "fp8", None),
+        # As given (``none`` included); null: the level's own mode.
+        "master_weights": getattr(args, "master_weights", None),
         "max_skipped_fraction": getattr(args, "max_skipped_fraction", None),
     }
 
@@ -409,6 +461,8 @@ def _check_inputs(args: argparse.Namespace, given: set[str], held: list[RunLock]
         if (args.resume / "metrics.csv").is_file():
             CSVLogger.read(args.resume / "metrics.csv")  # damaged: refused, by name
     else:
+        # Before the folder is created or locked: a bad pair writes nothing at all.
+        check_master_weights_arg(args, args.level, f"--master-weights {args.master_weights}")
         args.out = Path("runs/train") if args.out is None else args.out
         check_out_dir(args.out)
         if is_main_process():  # before the folder is looked at: one run at a time
@@ -469,6 +523,7 @@ def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -
     print(
         f"mixprec train: {args.model} on {'digits' if args.data is None else args.data}, "
         f"level {model.amp_level}, {lowp}, loss scale {args.loss_scale}, {model.device}"
+        + (f", master weights {args.master_weights}" if args.master_weights else "")
     )
     for note in _hardware_notes(model):
         print(note)

@@ -85,7 +85,7 @@ def resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     return as_low_precision(dtype, "dtype", hint="use amp_level='O0' to train in float32")
 
 
-def _check_master_weights_option(value: Any, amp_level: str) -> Any:
+def check_master_weights_option(value: Any, amp_level: str) -> Any:
     """``master_weights=`` for ``Model``: a mode name (checked), or ``None`` for the level's."""
     if value is None:
         return None
@@ -205,7 +205,7 @@ class Model:
         self.history: History | None = None
         self._generator: torch.Generator | None = None
         self._ready, self._compile = False, check_bool("compile", compile)
-        self._master_weights = _check_master_weights_option(master_weights, amp_level)
+        self._master_weights = check_master_weights_option(master_weights, amp_level)
         if amp_level != "rewrite":
             self._prepare(None)
 
