@@ -18,6 +18,7 @@ masters), O3 (pure bfloat16) and lean (Kahan-compensated bfloat16), several seed
 each, and reports test accuracy (mean, and each seed) per level::
 
     python -m benchmarks.lean --main-job --models mlp,lenet5,transformer --seeds 3
+    python -m benchmarks.lean --main-job --levels O2,O2+split8 --seeds 3
 """
 
 from __future__ import annotations
@@ -124,8 +125,9 @@ def run(steps: int, seeds: int, lr: float, width: int,
 MAIN_JOB_LEVELS = "O0,O2,O3,lean"
 
 
-def main_job(models: list[str], seeds: int, threads: int) -> dict[str, Any]:
-    """Test accuracy of each level of :data:`MAIN_JOB_LEVELS` per model, over ``seeds``."""
+def main_job(models: list[str], seeds: int, threads: int,
+             levels: str = MAIN_JOB_LEVELS) -> dict[str, Any]:  # fmt: skip
+    """Test accuracy of each ``mixprec compare`` entry of ``levels`` per model, over ``seeds``."""
     from mixprec.cli import main as mixprec_main
 
     out: dict[str, Any] = {}
@@ -133,7 +135,7 @@ def main_job(models: list[str], seeds: int, threads: int) -> dict[str, Any]:
         runs: dict[str, list[float]] = {}
         for seed in range(seeds):
             with tempfile.TemporaryDirectory() as folder:
-                argv = ["compare", "--levels", MAIN_JOB_LEVELS, "--model", model, "--seed",
+                argv = ["compare", "--levels", levels, "--model", model, "--seed",
                         str(seed), "--threads", str(threads), "--quiet", "--out", folder]  # fmt: skip
                 if mixprec_main(argv) != 0:
                     raise RuntimeError(f"mixprec {' '.join(argv)} failed")
@@ -156,9 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--main-job", action="store_true", help="the main job's models instead")
     parser.add_argument("--models", default="mlp,lenet5,transformer")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--levels", default=MAIN_JOB_LEVELS,
+                        help="with --main-job: compare entries, e.g. O2,O2+split8")  # fmt: skip
     args = parser.parse_args(argv)
     if args.main_job:
-        result = main_job(args.models.split(","), args.seeds, args.threads)
+        result = main_job(args.models.split(","), args.seeds, args.threads, args.levels)
         for model, levels in result.items():
             for level, row in levels.items():
                 seeds = " ".join(f"{a:.4f}" for a in row["per_seed"])
