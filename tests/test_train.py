@@ -271,3 +271,20 @@ def test_static_loss_scale_object_is_accepted():
         loss_scale=StaticLossScale(256.0),
     )
     assert float(model.optimizer.loss_scale) == 256.0 and model.optimizer.master_weights
+
+
+def test_a_resumed_run_has_the_whole_epoch_history(tmp_path):
+    """The history a checkpoint carries includes the epoch it was saved at: a run
+    resumed from epoch 2 of 3 reports epochs 1, 2, 3 (not 1, 3)."""
+    def make() -> Model:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 2)
+        return Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), metrics=["loss"])
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)) for _ in range(2)]
+    full = make().train(3, data)
+    make().train(2, data, callbacks=[ModelCheckpoint(tmp_path)])
+    resumed = make().train(3, data, resume=tmp_path / "epoch0002.pt")
+    assert resumed.epochs == [1, 2, 3]
+    assert resumed.metrics["loss"] == pytest.approx(full.metrics["loss"])

@@ -309,7 +309,10 @@ class Model:
         self.history = next((c for c in callbacks if isinstance(c, History)), None)
         if self.history is None:
             self.history = History()
-            callbacks.append(self.history)
+        else:
+            callbacks.remove(self.history)
+        # First, so that the epoch is recorded before a checkpoint callback saves it.
+        callbacks.insert(0, self.history)
         cbs = CallbackList(callbacks)
         self._generator = checkpoint.loader_generator(train_dataset)
         state = RunState(
