@@ -179,6 +179,9 @@ def test_state_dict_resumes_bit_exactly(dtype):
     ropt = AdamW8bit(resumed, lr=1e-2)
     ropt.load_state_dict(saved["opt"])
     assert ropt.state[resumed[0]]["exp_avg_scale"].dtype == torch.float32  # not bfloat16
+    # The codes keep their 8 bits (torch's load would cast them to the parameter's dtype).
+    assert ropt.state[resumed[0]]["exp_avg_q"].dtype == torch.int8
+    assert ropt.state[resumed[0]]["exp_avg_sq_q"].dtype == torch.uint8
     for step in range(3, 6):
         set_grads(resumed, step)
         ropt.step()
@@ -199,6 +202,8 @@ def test_state_dict_resumes_bit_exactly(dtype):
     ({"block_size": 256, "chunk_size": 100}, "chunk_size"),
     ({"rounding": "down"}, "rounding"),
     ({"seed": -1}, "seed"),
+    ({"fused": "yes"}, "fused"),
+    ({"fused": 1}, "fused"),
 ])  # fmt: skip
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -345,3 +350,158 @@ def test_inner_optimizer_of_loss_scale_optimizer(dtype):
     for a, b in zip(opt.inner_optimizer.state.values(), opt2.inner_optimizer.state.values()):
         for key in a:
             assert torch.equal(a[key], b[key])
+
+
+# -- fused=True: the same step math through torch.compile -------------------------------
+
+needs_compile = pytest.mark.skipif(
+    not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here"
+)
+
+
+def train(params, opt, steps, first=0):
+    for step in range(first, first + steps):
+        set_grads(params, step)
+        opt.step()
+
+
+def assert_matches_reference(params, opt, ref_params, ref_opt, lr, steps):
+    """The fused step against the eager reference: what holds and why.
+
+    Exact: the step counts and the generator (the noise is drawn outside the compiled
+    function, from the same generator, in the same order). Close: inductor may fuse a
+    multiply and an add into one FMA, compute a power with another routine or reorder, so each
+    float32 result is a few ulp off the reference's. A code is a floor (round) of such a
+    value, so it differs only where the value is within those ulp of a code boundary:
+    rare (>= 99 % equal), and then by one code; that element's moment then differs by
+    one code, its later updates by a fraction of ``lr``, and its block's scale by at most
+    one code of the absmax (1/127) if it is the block's largest. So: weights within a few
+    ulp (1e-6 at magnitude ~1) for >= 99 % of the elements, all within ``lr * steps /
+    100``; scales within 1 %; codes at most one apart.
+    """
+    for p, r in zip(params, ref_params):
+        diff = (p.detach().float() - r.detach().float()).abs()
+        assert float((diff <= 1e-6).float().mean()) >= 0.99
+        assert float(diff.max()) <= lr * steps / 100
+        got, want = opt.state[p], ref_opt.state[r]
+        assert torch.equal(got["step"], want["step"])
+        for key in ("exp_avg_q", "exp_avg_sq_q"):
+            codes = (got[key].int() - want[key].int()).abs()
+            assert float((codes == 0).float().mean()) >= 0.99 and int(codes.max()) <= 1
+        for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+            torch.testing.assert_close(got[key], want[key], rtol=1e-2, atol=0)
+    rng, ref_rng = opt.state_dict()["rng"], ref_opt.state_dict()["rng"]
+    assert rng.keys() == ref_rng.keys() and all(torch.equal(rng[k], ref_rng[k]) for k in rng)
+
+
+@needs_compile
+@pytest.mark.parametrize("chunk_size", [1 << 22, 512])  # one chunk; several, of one tensor
+def test_fused_step_matches_the_eager_reference(chunk_size, one_thread):
+    from torch._dynamo.utils import counters
+
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "block_size": 64, "chunk_size": chunk_size}
+    params, ref = make_params(seed=4), make_params(seed=4)
+    opt, ref_opt = AdamW8bit(params, fused=True, **kwargs), AdamW8bit(ref, fused=False, **kwargs)
+    train(params, opt, 2)
+    train(ref, ref_opt, 2)
+    graphs = counters["stats"]["unique_graphs"]
+    # A schedule's new hyperparameters and a loss scaler's found_inf/grad_scale reuse
+    # the graph (so do the chunks' sizes, 1 tensor or several).
+    for o in (opt, ref_opt):
+        o.param_groups[0].update(lr=2e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.2)
+        o.found_inf, o.grad_scale = torch.zeros(()), torch.tensor(4.0)
+    for step in range(2, 10):
+        for ps, o in ((params, opt), (ref, ref_opt)):
+            set_grads(ps, step)
+            for p in ps:
+                p.grad.mul_(4.0)
+            o.step()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert_matches_reference(params, opt, ref, ref_opt, lr=2e-2, steps=10)
+
+
+@needs_compile
+def test_fused_skipped_step_changes_nothing(one_thread):
+    params = make_params(seed=5)
+    opt = AdamW8bit(params, lr=1e-2, weight_decay=0.1, block_size=64, fused=True)
+    train(params, opt, 2)
+    weights = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    set_grads(params, 2)
+    params[1].grad[0, 0] = float("inf")
+    opt.found_inf, opt.grad_scale = torch.ones(()), torch.tensor(2.0)
+    opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    for p, saved in zip(params, states):
+        assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+
+
+@needs_compile
+def test_fused_and_eager_checkpoints_interchange(one_thread):
+    """Three steps one way, the checkpoint loaded into the other, three more steps: both
+    orders match six eager steps (as the fused step does, see the helper)."""
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "block_size": 64}
+    ref = make_params(seed=6)
+    ref_opt = AdamW8bit(ref, fused=False, **kwargs)
+    train(ref, ref_opt, 6)
+    for first, then in ((True, False), (False, True)):
+        params = make_params(seed=6)
+        opt = AdamW8bit(params, fused=first, **kwargs)
+        train(params, opt, 3)
+        saved = save_load({"params": [p.detach() for p in params], "opt": opt.state_dict()})
+        resumed = [torch.nn.Parameter(t) for t in saved["params"]]
+        other = AdamW8bit(resumed, fused=then, **kwargs)
+        other.load_state_dict(saved["opt"])
+        train(resumed, other, 3, first=3)
+        assert_matches_reference(resumed, other, ref, ref_opt, lr=1e-2, steps=6)
+
+
+def test_fused_defaults_to_eager_on_the_cpu():
+    params, ref = make_params(), make_params()
+    opt, ref_opt = AdamW8bit(params, lr=1e-2), AdamW8bit(ref, lr=1e-2, fused=False)
+    train(params, opt, 2)
+    train(ref, ref_opt, 2)
+    assert all(torch.equal(p, r) for p, r in zip(params, ref))
+    assert not opt._fused_on(torch.device("cpu"))
+
+
+def test_fused_is_refused_where_torch_compile_is_not_supported(monkeypatch):
+    monkeypatch.setattr(torch._dynamo, "is_dynamo_supported", lambda: False)
+    with pytest.raises(RuntimeError, match="fused=True: torch.compile is not supported"):
+        AdamW8bit([torch.nn.Parameter(torch.ones(3))], fused=True)
+    opt = AdamW8bit([torch.nn.Parameter(torch.ones(3))])  # the default steps eagerly
+    opt.param_groups[0]["params"][0].grad = torch.ones(3)
+    opt.step()
+    assert not opt._fused_on(torch.device("cuda"))
+
+
+@needs_compile
+@pytest.mark.parametrize("device", [
+    "cpu",  # the same test with fused=True, so that it runs everywhere
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA device")),
+])  # fmt: skip
+def test_fused_on_the_device_matches_eager(device):
+    """On CUDA the default (fused=None) compiles; on the CPU fused=True does. Gradients
+    and a skipped step's found_inf on the device, as a scaler gives them."""
+    from mixprec.optim._compressed_adamw import _compile_unsupported
+
+    if _compile_unsupported(device):
+        pytest.skip(_compile_unsupported(device))
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "block_size": 64}
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(seed=7)]
+    ref = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(seed=7)]
+    opt = AdamW8bit(params, fused=None if device == "cuda" else True, **kwargs)
+    ref_opt = AdamW8bit(ref, fused=False, **kwargs)
+    assert opt._fused_on(params[0].device)
+    for step in range(6):
+        gen = torch.Generator().manual_seed(100 + step)
+        grads = [torch.randn(p.shape, generator=gen) * 0.1 for p in params]
+        for ps, o in ((params, opt), (ref, ref_opt)):
+            for p, g in zip(ps, grads):
+                p.grad = g.to(device)
+            o.found_inf = torch.tensor(float(step == 3), device=device)  # step 3 skipped
+            o.grad_scale = None
+            o.step()
+    assert float(opt.state[params[0]]["step"]) == 5
+    assert_matches_reference(params, opt, ref, ref_opt, lr=1e-2, steps=5)
