@@ -42,7 +42,7 @@ from mixprec.optim._masters import master_weight_mode
 from mixprec.train import _checkpoint as checkpoint
 from mixprec.train._divergence import DivergenceGuard, resolve_guard
 from mixprec.train._names import AMP_LEVELS
-from mixprec.train.callbacks import Callback, CallbackList, History, RunState
+from mixprec.train.callbacks import Callback, CallbackList, History, ModelCheckpoint, RunState
 from mixprec.train.metrics import build_metric
 
 if TYPE_CHECKING:
@@ -311,8 +311,10 @@ class Model:
             self.history = History()
         else:
             callbacks.remove(self.history)
-        # First, so that the epoch is recorded before a checkpoint callback saves it.
-        callbacks.insert(0, self.history)
+        # After the callbacks that add epoch metrics, before the first checkpoint callback:
+        # a checkpoint's history then holds the epoch it was saved at.
+        saving = [i for i, c in enumerate(callbacks) if isinstance(c, ModelCheckpoint)]
+        callbacks.insert(saving[0] if saving else len(callbacks), self.history)
         cbs = CallbackList(callbacks)
         self._generator = checkpoint.loader_generator(train_dataset)
         state = RunState(
