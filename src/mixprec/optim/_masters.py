@@ -352,15 +352,17 @@ class SplitMasterWeights(MasterWeights):
 
     mode = "split"
 
-    @staticmethod
-    def check(optimizer: torch.optim.Optimizer) -> None:
+    @classmethod
+    def check(cls, optimizer: torch.optim.Optimizer) -> None:
+        """Raise ``ValueError`` unless ``optimizer`` holds plain bfloat16 parameters to split
+        (this mode's and the subclasses': the weight is the master rounded to bfloat16)."""
         MasterWeights.check(optimizer)
         for p in (p for g in optimizer.param_groups for p in g["params"]):
             if p.dtype == torch.float16 or is_dtensor(p):
                 raise ValueError(
-                    "master_weights='split' needs plain bfloat16 parameters (the weight is the "
-                    f"master's high half), got a {'DTensor' if is_dtensor(p) else p.dtype} one; "
-                    "use master_weights='fp32'"
+                    f"master_weights={cls.mode!r} needs plain bfloat16 parameters (the weight "
+                    f"is the master rounded), got a {'DTensor' if is_dtensor(p) else p.dtype} "
+                    "one; use master_weights='fp32' for float16 or sharded parameters"
                 )
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from mixprec.numerics import is_dtensor
-from mixprec.optim._masters import MasterWeights, SplitMasterWeights
+from mixprec.optim._masters import SplitMasterWeights
 
 __all__ = ["CORRECTION_STEP", "split8_bits", "join8_bits", "split8_error_bound",
            "Split8MasterWeights"]  # fmt: skip
@@ -133,18 +132,6 @@ class Split8MasterWeights(SplitMasterWeights):
     """
 
     mode = "split8"
-
-    @staticmethod
-    def check(optimizer: torch.optim.Optimizer) -> None:
-        """Raise ``ValueError`` unless ``optimizer`` holds plain bfloat16 parameters to split."""
-        MasterWeights.check(optimizer)
-        for p in (p for g in optimizer.param_groups for p in g["params"]):
-            if p.dtype == torch.float16 or is_dtensor(p):
-                raise ValueError(
-                    "master_weights='split8' needs plain bfloat16 parameters (the weight is "
-                    f"the master rounded), got a {'DTensor' if is_dtensor(p) else p.dtype} "
-                    "one; use master_weights='fp32' for float16 or sharded parameters"
-                )
 
     # The base class keeps one flat buffer per (device, dtype) group and rebuilds or
     # splits a whole group in a few kernels; this mode only changes what is kept.
