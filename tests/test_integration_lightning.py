@@ -379,3 +379,29 @@ def test_clipping_a_fused_optimizer_the_plugin_did_not_wrap_is_refused_and_chang
     unscaled.clip_gradients(fused, clip_val=1.0)
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))
     assert float(norm) == pytest.approx(1.0, rel=1e-4)
+
+
+def test_stepping_an_optimizer_the_plugin_did_not_wrap_on_scaled_losses_is_refused():
+    net = make_net()
+    first, second = list(net.children())[0], list(net.children())[-1]
+    plugin = MixprecPrecision(level="O1", dtype=torch.float16, device="cpu")
+    plugin.connect(net, [torch.optim.SGD(first.parameters(), lr=LR)], [])
+    stranger = torch.optim.SGD(second.parameters(), lr=LR)
+    before = [p.detach().clone() for p in net.parameters()]
+    calls = []
+    with pytest.raises(RuntimeError, match="did not wrap this SGD.*scaled gradients"):
+        plugin.optimizer_step(stranger, model=Toy(), closure=lambda: calls.append(1))
+    assert calls == []  # refused before the training step ran
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+    # Unscaled losses (bfloat16 O1): its gradients are true ones, so it steps as Lightning's.
+    unscaled = MixprecPrecision(level="O1", dtype=torch.bfloat16, device="cpu")
+    unscaled.connect(net, [torch.optim.SGD(first.parameters(), lr=LR)], [])
+    for p in second.parameters():
+        p.grad = torch.ones_like(p)
+    module = Toy()
+    module.trainer = L.Trainer(logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    module.trainer.strategy.connect(module)
+    unscaled.optimizer_step(stranger, model=module, closure=lambda: calls.append(1))
+    assert calls == [1]
+    assert not torch.equal(before[-1], second.bias)

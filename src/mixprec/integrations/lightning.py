@@ -289,6 +289,7 @@ class MixprecPrecision(Precision):
     ) -> Any:
         opt = self._own(optimizer)
         if opt is None:
+            self._refuse_scaled_step(optimizer)
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
         # training_step returned None: Lightning skipped the backward, there is nothing to step.
@@ -309,6 +310,20 @@ class MixprecPrecision(Precision):
         if self.log_metrics:
             self._log(model, opt)
         return output
+
+    def _refuse_scaled_step(self, optimizer: Any) -> None:
+        """Raise before anything runs if ``optimizer`` (not wrapped by this plugin) would
+        step on gradients multiplied by the loss scale: the losses are scaled for this
+        plugin's optimizers, and backward scales every parameter's gradient alike."""
+        inner = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        holds_params = any(g["params"] for g in getattr(inner, "param_groups", ()))
+        if self._optimizers and self.loss_scale.needs_scaled_loss and holds_params:
+            raise RuntimeError(
+                f"MixprecPrecision did not wrap this {type(inner).__qualname__}, but the "
+                "losses are multiplied by the loss scale, so its step would use scaled "
+                "gradients; return every optimizer from configure_optimizers (the plugin "
+                "wraps each with the shared loss scale)"
+            )
 
     def _log(self, model: LightningModule, opt: LossScaleOptimizer) -> None:
         suffix = "" if len(self._optimizers) == 1 else f"_{self._optimizers.index(opt)}"
