@@ -47,6 +47,7 @@ __all__ = [
     "stochastic_round",
     "split_bits",
     "join_bits",
+    "bfloat16_bits32",
 ]
 
 
@@ -296,6 +297,17 @@ class MasterWeights:
 _TIE = 1 << 15
 
 
+def bfloat16_bits32(weight: torch.Tensor) -> torch.Tensor:
+    """The int32 bit pattern of bfloat16 ``weight`` widened to float32: its 16 bits
+    shifted up, which is what the float32 conversion does (NaN payloads included), in
+    one kernel instead of a reinterpretation, a widening and a shift.
+
+    >>> hex(int(bfloat16_bits32(torch.tensor([1.0], dtype=torch.bfloat16))))
+    '0x3f800000'
+    """
+    return weight.float().view(torch.int32)
+
+
 def split_bits(master: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int16 ``d``, flat indices where ``d`` is ``+2**15``) for float32 ``master`` and
     its round-to-nearest bfloat16 ``weight``.
@@ -305,15 +317,14 @@ def split_bits(master: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor
     >>> torch.equal(join_bits(m.bfloat16(), d, ties), m), ties.tolist()
     (True, [0])
     """
-    high = weight.view(torch.int16).to(torch.int32) << 16
-    diff = master.view(torch.int32) - high
+    diff = master.view(torch.int32) - bfloat16_bits32(weight)
     ties = torch.nonzero(diff.flatten() == _TIE).flatten()
     return diff.to(torch.int16), ties  # +2**15 wraps to -2**15; ``ties`` says which
 
 
 def join_bits(weight: torch.Tensor, low: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
     """The float32 master that :func:`split_bits` split (bit-exact)."""
-    bits = (weight.view(torch.int16).to(torch.int32) << 16) + low.to(torch.int32)
+    bits = bfloat16_bits32(weight) + low.to(torch.int32)
     if ties.numel():
         bits.view(-1)[ties] += 2 * _TIE  # -2**15 back to +2**15
     return bits.view(torch.float32)
@@ -418,8 +429,9 @@ class SplitMasterWeights(MasterWeights):
                 )
                 # The weights are the masters rounded to nearest, as masters_to_model wrote.
                 halves.append(self._split_flat(flat, flat.to(models[0].dtype)))
+                empty = torch.empty(0, dtype=torch.float32, device=flat.device)  # shared
                 for m in masters:
-                    m.data = torch.empty(0, dtype=torch.float32, device=m.device)
+                    m.data = empty
                     m.grad = None
             self._halves, self._live = halves, None
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim._masters import SplitMasterWeights
+from mixprec.optim._masters import SplitMasterWeights, bfloat16_bits32
 
 __all__ = ["CORRECTION_STEP", "split8_bits", "join8_bits", "split8_error_bound",
            "Split8MasterWeights"]  # fmt: skip
@@ -41,9 +41,12 @@ def split8_bits(master: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     >>> split8_bits(m, m.bfloat16()).tolist()  # a quarter ulp up; exact; exact
     [64, 0, 0]
     """
-    high = weight.view(torch.int16).to(torch.int32) << 16
-    d = master.view(torch.int32) - high
-    q = torch.div(d + CORRECTION_STEP // 2, CORRECTION_STEP, rounding_mode="floor")
+    d = master.view(torch.int32) - bfloat16_bits32(weight)
+    # floor((d + 129) / 258) in float32, 2-3x faster than integer floor division on a
+    # CPU and equal to it: a sum below 2**24 is exact in float32 and its quotient is an
+    # integer or at least 1/258 from one, so the rounded division floors alike; larger
+    # sums are clamped to +-127 either way.
+    q = (d + CORRECTION_STEP // 2).float().div_(CORRECTION_STEP).floor_()
     return q.clamp_(-127, 127).to(torch.int8)
 
 
@@ -71,8 +74,8 @@ def join8_bits(weight: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
     >>> float(join8_bits(w, torch.tensor([64], dtype=torch.int8)))  # 1 + 64 * 258 * 2**-23
     1.0019683837890625
     """
-    high = weight.view(torch.int16).to(torch.int32) << 16
-    offset = correction.to(torch.int32) * CORRECTION_STEP
+    high = bfloat16_bits32(weight)
+    offset = correction.to(torch.int32).mul_(CORRECTION_STEP)
     # A weight of +-0 with a correction pointing below zero (one split from another
     # weight: the model was loaded after the optimizer) stays +-0, not NaN.
     offset = torch.maximum(offset, -(high & 0x7FFFFFFF))
