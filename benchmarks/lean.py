@@ -7,8 +7,10 @@ where installed, ``torch-optimi``'s Kahan-summation AdamW on the same bfloat16 m
 weight + int8 correction, the update in float32) around torch's AdamW and around
 :class:`~mixprec.optim.AdamW8bit` (8-bit moments); ``--modes`` runs a subset.
 Per mode: bytes per parameter (live tensor storage after training: parameters,
-optimizer state, masters or buffers), median step time as a ratio to float32 masters
-(``fp32``) in this run, and the final float32-evaluated loss (mean over seeds)::
+optimizer state, masters or buffers), the optimizer step's time as the median of its
+per-step ratios to float32 masters (``fp32``; the modes of a seed train in lockstep,
+one step each per round, so every ratio pairs steps taken moments apart), and the
+final float32-evaluated loss (mean over seeds)::
 
     python -m benchmarks.lean --steps 600 --seeds 5 --out results/lean.json
 
@@ -28,16 +30,16 @@ import copy
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks._common import Case, interleaved, paired_quartiles, paired_ratio
 from mixprec.optim import AdamW8bit, LossScaleOptimizer, Split8MasterWeights
 from mixprec.tools._memory import live_tensor_bytes
 
-__all__ = ["measure", "run"]
+__all__ = ["held_bytes_per_param", "run"]
 
 MODES = ("float32", "fp32", "split", "kahan", "stochastic", "split8", "split8-8bit", "bf16",
          "optimi-kahan")
@@ -74,51 +76,86 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float) -> Any:
     return LossScaleOptimizer(inner, master_weights=wrapped)
 
 
-def measure(mode: str, seed: int, steps: int, lr: float, width: int) -> dict[str, float]:
-    """Train one (mode, seed); return bytes/param, median step seconds, final loss."""
+def _inputs(mode: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = _data(seed)
-    dtype = torch.float32 if mode == "float32" else torch.bfloat16
-    x_in = x.to(dtype)
-    baseline = live_tensor_bytes()
-    model = _model(seed, width, dtype)
+    return x.to(torch.float32 if mode == "float32" else torch.bfloat16), y
+
+
+def _trainer(mode: str, seed: int, lr: float, width: int,
+             data: tuple[torch.Tensor, torch.Tensor]) -> tuple[Case, torch.nn.Module, Any]:  # fmt: skip
+    """One (mode, seed) on ``data`` (:func:`_inputs`): its model, optimizer and a
+    :class:`Case` whose ``prepare`` is the untimed forward and backward and whose
+    ``run`` is the timed optimizer step."""
+    x_in, y = data
+    model = _model(seed, width, x_in.dtype)
     opt = _optimizer(mode, model, lr)
-    times = []
-    for _ in range(steps):
+
+    def forward_backward() -> None:
+        opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x_in).float(), y)
         opt.scale_loss(loss).backward()
-        start = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - start)
-        opt.zero_grad()
-    del loss
-    n = sum(p.numel() for p in model.parameters())
-    held = (live_tensor_bytes() - baseline) / n
+
+    return Case(mode, opt.step, forward_backward), model, opt
+
+
+def held_bytes_per_param(mode: str, seed: int, lr: float, width: int) -> float:
+    """Live tensor bytes per parameter of one (mode, seed) after two steps and
+    ``zero_grad``: parameters, optimizer state, masters or buffers (their sizes are
+    fixed from the first step on)."""
+    data = _inputs(mode, seed)
+    baseline = live_tensor_bytes()
+    case, model, opt = _trainer(mode, seed, lr, width, data)
+    for _ in range(2):
+        assert case.prepare is not None
+        case.prepare()
+        case.run()
+    opt.zero_grad()
+    return (live_tensor_bytes() - baseline) / sum(p.numel() for p in model.parameters())
+
+
+def _final_loss(model: torch.nn.Module, seed: int) -> float:
+    x, y = _data(seed)
     with torch.no_grad():
-        final = float(torch.nn.functional.mse_loss(copy.deepcopy(model).float()(x), y))
-    return {"bytes_per_param": held, "step_s": statistics.median(times), "loss": final}
+        return float(torch.nn.functional.mse_loss(copy.deepcopy(model).float()(x), y))
 
 
 def run(steps: int, seeds: int, lr: float, width: int,
         modes: tuple[str, ...] = MODES) -> dict[str, Any]:  # fmt: skip
+    """Train every mode on every seed, the modes of a seed in lockstep (one step each
+    per round, the order alternating: :func:`benchmarks._common.interleaved`), so that
+    step times are paired; ratios are medians of per-step ratios to ``fp32`` masters."""
     rows: dict[str, Any] = {}
+    available = []
     for mode in modes:
         try:
-            runs = [measure(mode, s, steps, lr, width) for s in range(seeds)]
+            rows[mode] = {"bytes_per_param": round(held_bytes_per_param(mode, 0, lr, width), 2)}
+            available.append(mode)
         except ImportError as exc:
             rows[mode] = {"skipped": f"{exc}"}
-            continue
-        rows[mode] = {
-            "bytes_per_param": round(runs[0]["bytes_per_param"], 2),
-            "step_s": statistics.median(r["step_s"] for r in runs),
-            "loss_mean": statistics.mean(r["loss"] for r in runs),
-            "loss_stdev": statistics.stdev(r["loss"] for r in runs) if seeds > 1 else 0.0,
-        }
-    anchor = rows.get("fp32", {})
-    for row in rows.values():
-        if "step_s" in row and "step_s" in anchor:
-            row["step_time_vs_fp32_masters"] = round(row["step_s"] / anchor["step_s"], 3)
-            row["loss_vs_fp32_masters_pct"] = round(
-                100 * (row["loss_mean"] / anchor["loss_mean"] - 1), 2)
+    times: dict[str, list[float]] = {m: [] for m in available}
+    losses: dict[str, list[float]] = {m: [] for m in available}
+    for seed in range(seeds):
+        built = {m: _trainer(m, seed, lr, width, _inputs(m, seed)) for m in available}
+        seed_times = interleaved([case for case, _, _ in built.values()], 0, steps)
+        for m, (_, model, _) in built.items():
+            times[m] += seed_times[m]
+            losses[m].append(_final_loss(model, seed))
+    for m in available:
+        rows[m].update({
+            "step_s": statistics.median(times[m]),
+            "loss_mean": statistics.mean(losses[m]),
+            "loss_stdev": statistics.stdev(losses[m]) if seeds > 1 else 0.0,
+            "loss_per_seed": losses[m],
+        })  # fmt: skip
+    if "fp32" in times:
+        anchor, anchor_loss = times["fp32"], rows["fp32"]["loss_mean"]
+        for m in available:
+            rows[m]["step_time_vs_fp32_masters"] = round(paired_ratio(times[m], anchor), 3)
+            rows[m]["step_time_quartiles"] = [
+                round(q, 3) for q in paired_quartiles(times[m], anchor)
+            ]
+            rows[m]["loss_vs_fp32_masters_pct"] = round(
+                100 * (rows[m]["loss_mean"] / anchor_loss - 1), 2)
     return {"steps": steps, "seeds": seeds, "lr": lr, "width": width, "modes": rows}
 
 
@@ -157,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here too")
     parser.add_argument("--main-job", action="store_true", help="the main job's models instead")
     parser.add_argument("--models", default="mlp,lenet5,transformer")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (both jobs)")
     parser.add_argument("--levels", default=MAIN_JOB_LEVELS,
                         help="with --main-job: compare entries, e.g. O2,O2+split8")  # fmt: skip
     args = parser.parse_args(argv)
@@ -174,15 +211,18 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+    torch.set_num_threads(args.threads)
     result = run(args.steps, args.seeds, args.lr, args.width, modes)
-    print(f"{'mode':14} {'B/param':>8} {'step vs fp32':>13} {'loss mean':>10} {'stdev':>8} "
-          f"{'vs fp32':>8}")  # fmt: skip
+    print(f"{'mode':14} {'B/param':>8} {'step vs fp32 [quartiles]':>26} {'loss mean':>10} "
+          f"{'stdev':>8} {'vs fp32':>8}")  # fmt: skip
     for mode, row in result["modes"].items():
         if "skipped" in row:
             print(f"{mode:14} skipped: {row['skipped']}")
             continue
+        low, high = row.get("step_time_quartiles", (float("nan"), float("nan")))
+        ratio = row.get("step_time_vs_fp32_masters", float("nan"))
         print(f"{mode:14} {row['bytes_per_param']:8.2f} "
-              f"{row.get('step_time_vs_fp32_masters', float('nan')):13.3f} "
+              f"{f'{ratio:.3f} [{low:.3f}, {high:.3f}]':>26} "
               f"{row['loss_mean']:10.4f} {row['loss_stdev']:8.4f} "
               f"{row.get('loss_vs_fp32_masters_pct', float('nan')):+7.2f}%")  # fmt: skip
     if args.out:
