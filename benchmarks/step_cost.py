@@ -105,6 +105,7 @@ from benchmarks._common import (
     paired_ratio,
 )
 from benchmarks.recipes import build_recipe, make_optimizer
+from mixprec import numerics
 
 __all__ = [
     "MTA_CHUNK",
@@ -637,24 +638,29 @@ def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int
         prepared.train_step(x, y)
     n_params = sum(p.numel() for p in prepared.model.parameters())
     counter = StepCounter(limits)
-    with counter:
-        counter.phase = "forward"
-        loss = prepared.forward(x, y)
-        counter.phase = "backward"
-        prepared.backward(loss)
-        counter.phase = "optimizer"
-        grads = [p.grad for p in prepared.model.parameters() if p.grad is not None]
-        grads += [
-            p.grad for g in prepared.inner_optimizer().param_groups for p in g["params"]
-            if p.grad is not None
-        ]  # fmt: skip
-        counter.memory = _LiveStorages()
-        counter.memory.start(grads)
-        del grads
-        prepared.step()
-        peak = counter.memory.peak
-        counter.memory.stop()
-        counter.memory = None
+    # The finite check a GPU runs (numerics.CPU_NORM_PREFILTER), not the CPU's own.
+    prefilter, numerics.CPU_NORM_PREFILTER = numerics.CPU_NORM_PREFILTER, False
+    try:
+        with counter:
+            counter.phase = "forward"
+            loss = prepared.forward(x, y)
+            counter.phase = "backward"
+            prepared.backward(loss)
+            counter.phase = "optimizer"
+            grads = [p.grad for p in prepared.model.parameters() if p.grad is not None]
+            grads += [
+                p.grad for g in prepared.inner_optimizer().param_groups for p in g["params"]
+                if p.grad is not None
+            ]  # fmt: skip
+            counter.memory = _LiveStorages()
+            counter.memory.start(grads)
+            del grads
+            prepared.step()
+            peak = counter.memory.peak
+            counter.memory.stop()
+            counter.memory = None
+    finally:
+        numerics.CPU_NORM_PREFILTER = prefilter
     del loss
     at_rest = _live_bytes() - baseline
     phases = {}

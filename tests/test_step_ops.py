@@ -82,3 +82,27 @@ def test_split_masters_step_in_kernels_independent_of_the_parameter_count(mode, 
     of a group in the same kernels: the count does not grow with the parameters."""
     few, many = _split_step_ops(4, mode, eight_bit), _split_step_ops(16, mode, eight_bit)
     assert len(few) == len(many), sorted(set(many) - set(few))
+
+
+@pytest.mark.parametrize("prefilter", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_finite_check_is_exact_with_or_without_the_cpu_norm_prefilter(
+    prefilter, dtype, monkeypatch
+):
+    from mixprec import numerics
+
+    monkeypatch.setattr(numerics, "CPU_NORM_PREFILTER", prefilter)
+    huge = torch.full((64,), 3e38 if dtype == torch.bfloat16 else 3.4e38, dtype=dtype)
+    cases = {
+        "finite": ([torch.randn(8, dtype=dtype), torch.ones(3, dtype=dtype)], 0.0),
+        # squares beyond float32's range: the L2 norm overflows, the elements are finite
+        "huge but finite": ([torch.ones(2, dtype=dtype), huge], 0.0),
+        "inf": ([torch.ones(2, dtype=dtype), torch.tensor([1.0, float("inf")], dtype=dtype)], 1.0),
+        "-inf": ([torch.tensor([-float("inf")], dtype=dtype)], 1.0),
+        "nan": ([torch.tensor([0.0, float("nan")], dtype=dtype)], 1.0),
+    }
+    for name, (tensors, expected) in cases.items():
+        before = [(t.clone(), t._version) for t in tensors]
+        assert float(numerics.any_nonfinite(tensors, torch.device("cpu"))) == expected, name
+        for t, (copy, version) in zip(tensors, before):  # read only
+            assert t._version == version and torch.equal(t.nan_to_num(), copy.nan_to_num())
