@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -289,7 +290,15 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     return _cast_tree(tree, dtype, {})
 
 
+#: Leaves that are never cast, checked by exact type first: every module call passes
+#: through here, and the Mapping check below is slow for them.
+_PLAIN_LEAVES = frozenset({type(None), bool, int, float, str})
+
+
 def _cast_tree(tree: Any, dtype: torch.dtype, done: dict[int, torch.Tensor]) -> Any:
+    kind = type(tree)
+    if kind in _PLAIN_LEAVES:
+        return tree
     if isinstance(tree, torch.Tensor):
         if tree.is_floating_point() and tree.dtype != dtype:
             cast = done.get(id(tree))
@@ -297,6 +306,27 @@ def _cast_tree(tree: Any, dtype: torch.dtype, done: dict[int, torch.Tensor]) -> 
                 cast = done[id(tree)] = tree.to(dtype)
             return cast
         return tree
+    if isinstance(tree, (list, tuple)):
+        items = [_cast_tree(item, dtype, done) for item in tree]
+        if all(map(operator.is_, items, tree)):
+            return tree
+        if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+            return kind(*items)
+        return kind(items)
+    if isinstance(tree, Mapping):
+        if not tree:
+            return tree
+        values = {key: _cast_tree(value, dtype, done) for key, value in tree.items()}
+        if all(values[key] is value for key, value in tree.items()):
+            return tree
+        make: Any = kind  # the tree's own mapping type; Mapping's says nothing of it
+        try:
+            return make(values)
+        except TypeError:
+            # A mapping type whose constructor takes something else: a plain dict
+            # keeps the data, which is what the layer reads.
+            return values
+    return tree
     if isinstance(tree, (list, tuple)):
         items = [_cast_tree(item, dtype, done) for item in tree]
         if all(new is old for new, old in zip(items, tree)):
