@@ -327,25 +327,6 @@ def _cast_tree(tree: Any, dtype: torch.dtype, done: dict[int, torch.Tensor]) -> 
             # keeps the data, which is what the layer reads.
             return values
     return tree
-    if isinstance(tree, (list, tuple)):
-        items = [_cast_tree(item, dtype, done) for item in tree]
-        if all(new is old for new, old in zip(items, tree)):
-            return tree
-        if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-            return type(tree)(*items)
-        return type(tree)(items)
-    if isinstance(tree, Mapping):
-        values = {key: _cast_tree(value, dtype, done) for key, value in tree.items()}
-        if all(values[key] is value for key, value in tree.items()):
-            return tree
-        make: Any = type(tree)  # the tree's own mapping type; Mapping's says nothing of it
-        try:
-            return make(values)
-        except TypeError:
-            # A mapping type whose constructor takes something else: a plain dict
-            # keeps the data, which is what the layer reads.
-            return values
-    return tree
 
 
 _DEFAULT = Policy("float32")
