@@ -40,6 +40,7 @@ __all__ = [
     "UsageError",
     "build_parser",
     "fill_defaults",
+    "OPTIMIZERS",
 ]
 
 #: The largest ``--lr``: AdamW's first step is up to 10 x the learning rate (its bias
@@ -56,6 +57,10 @@ COMPARE_LEVEL_TIMEOUT = 3600.0
 #: :data:`mixprec.optim._masters.MASTER_WEIGHT_MODES`).
 MASTER_WEIGHTS = ("fp32", "split", "split8", "kahan", "stochastic", "none")
 
+#: ``--optimizer`` choices: torch's AdamW, or mixprec's 8-bit-state AdamW
+#: (:class:`mixprec.optim.AdamW8bit`; 2 bytes of state per parameter, not 8).
+OPTIMIZERS = ("adamw", "adamw8bit")
+
 #: Defaults of the training options, filled in after parsing (:func:`fill_defaults`), so
 #: that a resumed run can tell a given option from a default.
 DEFAULTS = {
@@ -66,6 +71,7 @@ DEFAULTS = {
     "batch_size": 32,
     "lr": 1e-2,
     "seed": 0,
+    "optimizer": "adamw",
 }
 
 
@@ -289,6 +295,19 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
         ),
     )
     p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=None,
+        help="adamw (torch's) or adamw8bit (mixprec.optim.AdamW8bit: both moments in 8 "
+        "bits, 2 bytes of state per parameter instead of 8; with --master-weights split8, "
+        "7 bytes per parameter with bfloat16 gradients)"
+        + (
+            " (default: adamw; with --resume, the run's own)"
+            if train
+            else " (default: adamw), for every entry (a single entry: +adamw8bit in --levels)"
+        ),
+    )
+    p.add_argument(
         "--compile",
         action="store_true",
         help="run the network through torch.compile (every level; the first steps compile)"
@@ -429,9 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--levels",
         default="O0,O1,O2,O3,rewrite",
-        help="comma-separated amp levels, each optionally with +compile, +fp8 and/or a "
-        "master-weight mode (+fp32, +split, +split8, +kahan, +stochastic, +none; see "
-        "--master-weights) (e.g. O2,O2+compile,O2+fp8,O2+split8; default: %(default)s)",
+        help="comma-separated amp levels, each optionally with +compile, +fp8, +adamw8bit "
+        "and/or a master-weight mode (+fp32, +split, +split8, +kahan, +stochastic, +none; "
+        "see --master-weights) (e.g. O2,O2+compile,O2+fp8,O2+split8+adamw8bit; default: "
+        "%(default)s)",
     )
     _add_training_options(compare, "compare")
     compare.add_argument(

@@ -73,7 +73,11 @@ __all__ = ["ENTRY_OPTIONS", "parse_entry", "run_compare", "run_level"]
 #: What may follow a level after ``+`` in ``--levels``: the ``mixprec train`` option
 #: it sets, and the value. A master-weight mode (one of
 #: :data:`~mixprec.cli._args.MASTER_WEIGHTS`) may follow too: it sets ``--master-weights``.
-ENTRY_OPTIONS = {"compile": True, "fp8": "dynamic"}
+ENTRY_OPTIONS = {
+    "compile": ("compile", True),
+    "fp8": ("fp8", "dynamic"),
+    "adamw8bit": ("optimizer", "adamw8bit"),
+}
 
 
 def parse_entry(text: str) -> tuple[str, tuple[str, ...]]:
@@ -91,7 +95,7 @@ def parse_entry(text: str) -> tuple[str, tuple[str, ...]]:
             f"--levels: unknown {'option ' + repr(bad[0]) if bad else 'level ' + repr(level)} "
             f"in {text!r}; levels: {', '.join(AMP_LEVELS)}; options after '+': "
             f"{', '.join(ENTRY_OPTIONS)} or a master-weight mode ({', '.join(MASTER_WEIGHTS)}) "
-            "(e.g. O2+compile, O2+split8)"
+            "(e.g. O2+compile, O2+split8, O2+split8+adamw8bit)"
         )
     modes = [o for o in options if o in MASTER_WEIGHTS]
     if len(modes) > 1:  # one optimizer steps one way
@@ -105,7 +109,7 @@ def parse_entry(text: str) -> tuple[str, tuple[str, ...]]:
 def _entry_args(args: argparse.Namespace, entry: str) -> tuple[str, argparse.Namespace]:
     """The entry's level, and ``args`` with the options it carries after ``+`` set."""
     level, options = parse_entry(entry)
-    chosen: dict[str, Any] = {o: ENTRY_OPTIONS[o] for o in options if o in ENTRY_OPTIONS}
+    chosen: dict[str, Any] = dict(ENTRY_OPTIONS[o] for o in options if o in ENTRY_OPTIONS)
     for mode in (o for o in options if o in MASTER_WEIGHTS):  # at most one: parse_entry
         chosen["master_weights"] = mode
     return level, argparse.Namespace(**{**vars(args), **chosen})
@@ -139,6 +143,8 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
         config += f" fp8-{args.fp8}"
     if args.master_weights:  # given, for this entry or every one: else the level's own
         config += f" masters-{args.master_weights}"
+    if args.optimizer != "adamw":
+        config += f" {args.optimizer}"
     if args.compile:
         config += " compiled"
     return {

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from mixprec._checks import as_dtype
-from mixprec.cli._args import LR_MAX, MASTER_WEIGHTS, UsageError
+from mixprec.cli._args import LR_MAX, MASTER_WEIGHTS, OPTIMIZERS, UsageError
 from mixprec.train._checkpoint import CheckpointError, newest_readable
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 from mixprec.train.callbacks import ModelCheckpoint
@@ -83,11 +83,11 @@ KEEP_LAST = 2
 #: Settings a resumed run takes from its folder; a given option must agree with them.
 RESUMED = (
     "level", "dtype", "loss_scale", "model", "data", "batch_size", "lr", "seed", "fp8", "compile",
-    "master_weights",
+    "master_weights", "optimizer",
 )  # fmt: skip
 #: Settings added to ``config.json`` since its format was last changed, with the value
 #: that a run written before them trained with: such a run stays resumable.
-ADDED = {"master_weights": None}
+ADDED = {"master_weights": None, "optimizer": "adamw"}
 #: The lock file that marks a run folder held by a process.
 LOCK_NAME = ".mixprec.lock"
 
@@ -240,6 +240,7 @@ _SETTINGS: dict[str, tuple[Any, str]] = {
         lambda v: v is None or v in MASTER_WEIGHTS,
         f"null (the level's own) or one of {', '.join(MASTER_WEIGHTS)}",
     ),
+    "optimizer": (lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
     "max_skipped_fraction": (
         lambda v: v is None or _number_ok(v, 1.0),
         "a number in (0, 1] or null",

@@ -43,6 +43,7 @@ from mixprec.cli._run_folder import (
 )
 from mixprec.cli._torchrun import failing
 from mixprec.loss_scale import LossScale, ScaleCollapseError, loss_scale_from_spec
+from mixprec.optim import AdamW8bit
 from mixprec.train._atomic import atomic_write
 from mixprec.train._distributed import (
     DistributedModel,
@@ -210,7 +211,11 @@ def build_run(args: argparse.Namespace, level: str):
     network = build_model(args.model, classes, shape)
     if getattr(args, "fp8", None):
         args.float8_report = _to_float8(network, args)
-    optimizer = torch.optim.AdamW(network.parameters(), lr=args.lr)
+    optimizer: torch.optim.Optimizer = (
+        AdamW8bit(network.parameters(), lr=args.lr)
+        if args.optimizer == "adamw8bit"
+        else torch.optim.AdamW(network.parameters(), lr=args.lr)
+    )
     steps = args.epochs * len(train)
     schedule = LRScheduler(
         torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=steps)
@@ -351,6 +356,7 @@ def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         "fp8": getattr(args, "fp8", None),
         # As given (``none`` included); null: the level's own mode.
         "master_weights": getattr(args, "master_weights", None),
+        "optimizer": args.optimizer,
         "max_skipped_fraction": getattr(args, "max_skipped_fraction", None),
     }
 
@@ -524,6 +530,7 @@ def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -
         f"mixprec train: {args.model} on {'digits' if args.data is None else args.data}, "
         f"level {model.amp_level}, {lowp}, loss scale {args.loss_scale}, {model.device}"
         + (f", master weights {args.master_weights}" if args.master_weights else "")
+        + (f", optimizer {args.optimizer}" if args.optimizer != "adamw" else "")
     )
     for note in _hardware_notes(model):
         print(note)

@@ -331,6 +331,10 @@ class AdamW8bit(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
+    #: Its weight decay is AdamW's, apart from the gradient update (the lean master-weight
+    #: modes fold it into their buffer).
+    decoupled_weight_decay = True
+
     def __init__(
         self,
         params: Iterable[Any],

@@ -36,7 +36,14 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
 
 
 def _decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    return isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+    """Whether ``optimizer`` decays ``group`` apart from its gradient update (AdamW's
+    way), which the lean modes can fold into their buffer: torch's AdamW, a group with
+    torch's ``decoupled_weight_decay``, or a class that says so (``AdamW8bit``)."""
+    return (
+        isinstance(optimizer, torch.optim.AdamW)
+        or bool(group.get("decoupled_weight_decay"))
+        or getattr(type(optimizer), "decoupled_weight_decay", False) is True
+    )
 
 
 #: Most elements stepped together: the float32 sum and the low-precision copy of a run
