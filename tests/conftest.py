@@ -47,3 +47,23 @@ def dies_after_epoch(monkeypatch):
         return MachineWentAway
 
     return arm
+
+
+@pytest.fixture
+def full_and_interrupted(tmp_path, monkeypatch, capsys, dies_after_epoch):
+    """``full_and_interrupted(argv)``: ``mixprec train argv`` run to its end in ``full/``
+    and, in ``part/``, stopped right after epoch 2's checkpoint (the real callback is
+    given back after); returns ``(full, part, what the full run printed)``."""
+    from mixprec.cli import main
+
+    def run(argv: list[str]):
+        full, part = tmp_path / "full", tmp_path / "part"
+        assert main(["train", "--out", str(full), *argv]) == 0
+        printed = capsys.readouterr().out
+        with pytest.raises(dies_after_epoch(2)):
+            main(["train", "--out", str(part), *argv])
+        monkeypatch.undo()
+        capsys.readouterr()
+        return full, part, printed
+
+    return run

@@ -31,19 +31,13 @@ def test_the_choices_are_the_librarys_modes():
     assert sorted(map(str, cli)) == sorted(map(str, MASTER_WEIGHT_MODES))
 
 
-def test_train_split8_records_the_mode_and_resumes_exactly(tmp_path, monkeypatch, capsys,
-                                                           dies_after_epoch):  # fmt: skip
+def test_train_split8_records_the_mode_and_resumes_exactly(capsys, full_and_interrupted):
     """``--level O2 --master-weights split8``: config.json says so, the checkpoints hold
     the 8-bit corrections, and a run that dies after epoch 2 and resumes ends with the
     uninterrupted run's weights and corrections. Resuming with another mode is refused."""
     common = ["--level", "O2", "--master-weights", "split8", *TINY, "--epochs", "3", *FAST]
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert main(["train", "--out", str(full), *common]) == 0
-    assert "master weights split8" in capsys.readouterr().out
-    with pytest.raises(dies_after_epoch(2)):
-        main(["train", "--out", str(part), *common])
-    monkeypatch.undo()
-    capsys.readouterr()
+    full, part, printed = full_and_interrupted(common)
+    assert "master weights split8" in printed
     assert main(["train", "--resume", str(part), "--master-weights", "kahan", *FAST]) == 2
     assert one_line(capsys).startswith(
         f"mixprec: error: --master-weights kahan contradicts the run in {part} "

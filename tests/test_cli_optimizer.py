@@ -8,30 +8,16 @@ import json
 
 import pytest
 import torch
+from test_cli_master_weights import FAST, TINY, one_line
 
 from mixprec.cli import main
 
-FAST = ["--quiet", "--threads", "1"]
-TINY = ["--model", "mlp", "--batch-size", "128", "--dtype", "bfloat16"]
 
-
-def one_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    return err[0]
-
-
-def test_train_adamw8bit_records_it_and_resumes_exactly(tmp_path, monkeypatch, capsys,
-                                                        dies_after_epoch):  # fmt: skip
-    common = ["--level", "O2", "--master-weights", "split8", "--optimizer", "adamw8bit",
-              *TINY, "--epochs", "3", *FAST]  # fmt: skip
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert main(["train", "--out", str(full), *common]) == 0
-    assert "master weights split8, optimizer adamw8bit" in capsys.readouterr().out
-    with pytest.raises(dies_after_epoch(2)):
-        main(["train", "--out", str(part), *common])
-    monkeypatch.undo()
-    capsys.readouterr()
+def test_train_adamw8bit_records_it_and_resumes_exactly(capsys, full_and_interrupted):
+    full, part, printed = full_and_interrupted(["--level", "O2", "--master-weights", "split8",
+                                                "--optimizer", "adamw8bit", *TINY,
+                                                "--epochs", "3", *FAST])  # fmt: skip
+    assert "master weights split8, optimizer adamw8bit" in printed
     assert main(["train", "--resume", str(part), "--optimizer", "adamw", *FAST]) == 2
     assert one_line(capsys).startswith(
         f"mixprec: error: --optimizer adamw contradicts the run in {part} (optimizer adamw8bit)"
