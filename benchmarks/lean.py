@@ -164,12 +164,14 @@ MAIN_JOB_LEVELS = "O0,O2,O3,lean"
 
 def main_job(models: list[str], seeds: int, threads: int,
              levels: str = MAIN_JOB_LEVELS) -> dict[str, Any]:  # fmt: skip
-    """Test accuracy of each ``mixprec compare`` entry of ``levels`` per model, over ``seeds``."""
+    """Test accuracy and loss of each ``mixprec compare`` entry of ``levels`` per model,
+    over ``seeds``."""
     from mixprec.cli import main as mixprec_main
 
     out: dict[str, Any] = {}
     for model in models:
         runs: dict[str, list[float]] = {}
+        losses: dict[str, list[float]] = {}
         for seed in range(seeds):
             with tempfile.TemporaryDirectory() as folder:
                 argv = ["compare", "--levels", levels, "--model", model, "--seed",
@@ -178,8 +180,16 @@ def main_job(models: list[str], seeds: int, threads: int,
                     raise RuntimeError(f"mixprec {' '.join(argv)} failed")
                 for row in json.loads((Path(folder) / "compare.json").read_text()):
                     runs.setdefault(row["config"], []).append(row["accuracy"])
+                    losses.setdefault(row["config"], []).append(row["loss"])
         out[model] = {
-            level: {"mean": statistics.mean(accs), "per_seed": accs} for level, accs in runs.items()
+            level: {
+                "mean": statistics.mean(accs),
+                "per_seed": accs,
+                "loss_mean": statistics.mean(losses[level]),
+                "loss_stdev": statistics.stdev(losses[level]) if seeds > 1 else 0.0,
+                "loss_per_seed": losses[level],
+            }
+            for level, accs in runs.items()
         }
     return out
 
@@ -203,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         for model, levels in result.items():
             for level, row in levels.items():
                 seeds = " ".join(f"{a:.4f}" for a in row["per_seed"])
-                print(f"{model:12} {level:18} mean {row['mean']:.4f}   seeds {seeds}")
+                print(f"{model:12} {level:18} mean {row['mean']:.4f}   seeds {seeds}   "
+                      f"test loss {row['loss_mean']:.4f} ({row['loss_stdev']:.4f})")  # fmt: skip
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
         return
