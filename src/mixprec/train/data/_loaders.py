@@ -79,6 +79,21 @@ def make_loaders(
     )
 
 
+def _check_split_args(
+    x: torch.Tensor | None, y: torch.Tensor | None, batch_size: int, eval_batch_size: int | None
+) -> int:
+    """The loader functions' shared checks; returns the evaluation batch size."""
+    if (x is None) != (y is None):
+        raise ValueError(
+            "pass both x and y to split your own data, or neither to use the digits; "
+            f"got x={'None' if x is None else 'a tensor'}, y={'None' if y is None else 'a tensor'}"
+        )
+    _check_batch_size("batch_size", batch_size)
+    eval_bs = batch_size if eval_batch_size is None else eval_batch_size
+    _check_batch_size("eval_batch_size", eval_bs)
+    return eval_bs
+
+
 def train_test_loaders(
     x: torch.Tensor | None = None,
     y: torch.Tensor | None = None,
@@ -102,14 +117,7 @@ def train_test_loaders(
     >>> len(train.dataset), len(test.dataset), len(train)
     (1438, 359, 12)
     """
-    if (x is None) != (y is None):
-        raise ValueError(
-            "pass both x and y to split your own data, or neither to use the digits; "
-            f"got x={'None' if x is None else 'a tensor'}, y={'None' if y is None else 'a tensor'}"
-        )
-    _check_batch_size("batch_size", batch_size)
-    eval_bs = batch_size if eval_batch_size is None else eval_batch_size
-    _check_batch_size("eval_batch_size", eval_bs)
+    eval_bs = _check_split_args(x, y, batch_size, eval_batch_size)
     if x is None or y is None:
         train = load_digits("train", test_fraction=test_fraction, seed=seed, image=image)
         test = load_digits("test", test_fraction=test_fraction, seed=seed, image=image)
@@ -145,14 +153,7 @@ def train_val_test_loaders(
     >>> len(train.dataset), len(val.dataset), len(test.dataset)
     (1293, 145, 359)
     """
-    if (x is None) != (y is None):
-        raise ValueError(
-            "pass both x and y to split your own data, or neither to use the digits; "
-            f"got x={'None' if x is None else 'a tensor'}, y={'None' if y is None else 'a tensor'}"
-        )
-    _check_batch_size("batch_size", batch_size)
-    eval_bs = batch_size if eval_batch_size is None else eval_batch_size
-    _check_batch_size("eval_batch_size", eval_bs)
+    eval_bs = _check_split_args(x, y, batch_size, eval_batch_size)
     fraction = check_number("val_fraction", val_fraction, hint="pass e.g. val_fraction=0.1")
     if not 0.0 < fraction < 1.0:
         raise ValueError(
