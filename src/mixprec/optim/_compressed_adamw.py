@@ -15,7 +15,7 @@ elements flattened and cut into blocks of ``block_size``, the last block zero-pa
   1 keeps a small nonzero ``v`` from decoding as 0, which would turn ``m / sqrt(v)``
   into ``m / eps``: a small ``v`` may be overestimated (a smaller step), never zeroed.
 
-Codes are rounded stochastically by default (``floor(x + uniform)``: unbiased), from a
+Codes are rounded stochastically by default (``floor(x + uniform)``: unbiased, to ``2**-15`` of a code), from a
 seeded generator saved in the checkpoint. Round-to-nearest (``rounding="nearest"``)
 is biased where it matters: an 8-bit code cannot follow a moment that changes by less
 than half a code per step (the second moment's ``beta2 = 0.999`` moves it by 0.1 %), so
@@ -28,12 +28,13 @@ The step's elementwise math (decode both moments, AdamW's update with its bias
 corrections and weight decay, encode both moments, the skip on ``found_inf``) is one
 pure function of a chunk's gathered tensors, :func:`update_chunk`; the stochastic
 rounding's noise is drawn before it, from the optimizer's checkpointed generator, and
-passed in, so a resumed run draws the same noise whichever way the step runs.
+passed in (one int32 draw per element carries both moments' noise:
+:func:`noise_from_bits`), so a resumed run draws the same noise whichever way the step
+runs.
 ``AdamW8bit(fused=True)`` runs that function through ``torch.compile``
 (:func:`update_chunk_fused`: its ~45 ops become a few fused loops), ``fused=False`` as
 it is, and ``fused=None`` (the default) compiles it on CUDA and runs it as it is
-elsewhere. The eager function is the reference, bit for bit the step this module had
-before it could compile; the compiled one does the same operations on the same inputs
+elsewhere. The eager function is the reference; the compiled one does the same operations on the same inputs
 (the hyperparameters as tensors: two of them multiply where torch's ``alpha``/``value``
 take only numbers), but inductor may fuse a multiply and an add into one FMA, compute a power with another
 routine or reorder, so a float32 result can be a few units in the last place off the
@@ -49,6 +50,7 @@ block scales (0.03125 at the default 256). ``step`` is one float32 per parameter
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -62,6 +64,8 @@ __all__ = [
     "dequantize_first_moment",
     "quantize_second_moment",
     "dequantize_second_moment",
+    "noise_from_bits",
+    "bias_corrections",
     "update_chunk",
     "update_chunk_fused",
 ]
@@ -85,10 +89,18 @@ def quantize_first_moment(
     >>> q.tolist(), s.tolist()  # 2x/(1+|x|): 0.5 -> 0.667 -> 85; 0.01 -> 0.0198 -> 3
     ([[85, -127, 0, 3]], [1.0])
     """
+    codes, scale = _first_moment_codes(m, noise)
+    return codes.to(torch.int8), scale
+
+
+def _first_moment_codes(
+    m: torch.Tensor, noise: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_first_moment` with the codes still float32 (whole numbers)."""
     scale = m.abs().amax(dim=1)
     x = m / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
     companded = 2 * x / (1 + x.abs())
-    return _round(companded * 127, noise).clamp_(-127, 127).to(torch.int8), scale
+    return _round(companded * 127, noise).clamp_(-127, 127), scale
 
 
 def dequantize_first_moment(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -113,12 +125,19 @@ def quantize_second_moment(
     >>> q.tolist(), s.tolist()
     ([[255, 128, 0, 1]], [2.0])
     """
+    codes, scale = _second_moment_codes(v, noise)
+    return codes.to(torch.uint8), scale
+
+
+def _second_moment_codes(
+    v: torch.Tensor, noise: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_second_moment` with the codes still float32 (whole numbers)."""
     root = v.sqrt()
     scale = root.amax(dim=1)
     u = root / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
     codes = _round(u * 255, noise).clamp_(0, 255)
-    codes = torch.where(v > 0, codes.clamp(min=1), codes)
-    return codes.to(torch.uint8), scale
+    return torch.where(v > 0, codes.clamp(min=1), codes), scale
 
 
 def dequantize_second_moment(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -151,6 +170,54 @@ def _plus_product(
 _Hyper = float | torch.Tensor  # a number, or a 0-dim float64 tensor in the compiled step
 
 
+def noise_from_bits(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two stochastic-rounding noises (float32, in ``[0, 1)``) that one draw of
+    non-negative int32 ``bits`` (31 random bits each, ``random_()``'s) carries: its low 16
+    bits for the first moment, the 15 above them for the second. One draw per element
+    instead of two ``rand`` calls, a third of the generator's work; a noise of 15 or 16
+    bits rounds an 8-bit code with a bias of at most ``2**-15`` of a code.
+
+    >>> m, v = noise_from_bits(torch.tensor([0x7FFFFFFF, 0x00018000], dtype=torch.int32))
+    >>> m.tolist(), v.tolist()
+    ([0.9999847412109375, 0.5], [0.999969482421875, 3.0517578125e-05])
+    """
+    return (bits & 0xFFFF).float() * 2.0**-16, (bits >> 16).float() * 2.0**-15
+
+
+def bias_corrections(
+    steps: torch.Tensor,
+    block_ends: torch.Tensor,
+    blocks: int,
+    found_inf: torch.Tensor | None,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The new step counts of a chunk's tensors and AdamW's bias corrections per block.
+
+    ``steps`` is the float32 step count of each tensor, ``block_ends`` (int64, one per
+    tensor) the cumulative block counts (tensor ``i`` owns the blocks up to
+    ``block_ends[i]``) and ``blocks`` their total; a nonzero ``found_inf`` (float32,
+    0-dim) leaves the counts as they are. Returns ``(steps, step_size, correction2_sqrt)``
+    with torch.optim.AdamW's ``step_size = lr / (1 - beta1**step)`` and
+    ``correction2_sqrt = sqrt(1 - beta2**step)``, each ``(blocks, 1)``: computed once per
+    tensor and spread over its blocks, so the elementwise step reads one number a block
+    instead of taking two powers an element.
+
+    >>> steps, size, root = bias_corrections(torch.tensor([0.0, 1.0]), torch.tensor([1, 3]),
+    ...                                      3, None, lr=0.125, beta1=0.5, beta2=0.75)
+    >>> steps.tolist(), size.flatten().tolist(), root.flatten().tolist()  # a block, then two
+    ([1.0, 2.0], [0.25, 0.1666666716337204, 0.1666666716337204], [0.5, 0.6614378094673157, 0.6614378094673157])
+    """
+    steps = steps + (1.0 if found_inf is None else 1.0 - found_inf)
+    tensor_of_block = torch.bucketize(
+        torch.arange(blocks, device=steps.device), block_ends, right=True)  # fmt: skip
+    step_size = (lr / (1 - beta1**steps))[tensor_of_block].unsqueeze(1)
+    correction2_sqrt = (1 - beta2**steps).sqrt_()[tensor_of_block].unsqueeze(1)
+    return steps, step_size, correction2_sqrt
+
+
 def update_chunk(
     grads: torch.Tensor,
     weights: torch.Tensor,
@@ -158,10 +225,9 @@ def update_chunk(
     m_scales: torch.Tensor,
     v_codes: torch.Tensor,
     v_scales: torch.Tensor,
-    steps: torch.Tensor,
-    tensor_of_block: torch.Tensor,
-    noise_m: torch.Tensor | None,
-    noise_v: torch.Tensor | None,
+    step_size: torch.Tensor,
+    correction2_sqrt: torch.Tensor,
+    noise_bits: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     *,
@@ -170,19 +236,21 @@ def update_chunk(
     beta2: _Hyper,
     eps: _Hyper,
     decay: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One AdamW8bit step of a chunk, as a pure function: its elementwise math, nothing else.
 
     ``grads`` and ``weights`` are float32 ``(blocks, block_size)`` (each tensor zero-padded
-    to whole blocks), the codes and scales the chunk's stored moments, ``steps`` the
-    float32 step count of each of its tensors and ``tensor_of_block`` (int64, one per
-    block) the tensor a block belongs to. ``noise_m``/``noise_v`` (uniform in ``[0, 1)``,
-    shaped like ``grads``) round the new codes stochastically, ``None`` to nearest.
-    ``grad_scale`` divides the gradients; a nonzero ``found_inf`` (float32, 0-dim) returns
-    the inputs' values unchanged. ``lr``, ``beta1``, ``beta2`` and ``eps`` are numbers or
-    0-dim float64 tensors (as the compiled step passes them); ``decay`` is a number.
-    Returns the new ``(weights, m_codes, m_scales, v_codes, v_scales, steps)``; the
-    inputs are not modified.
+    to whole blocks), the codes and scales the chunk's stored moments, ``step_size`` and
+    ``correction2_sqrt`` the bias corrections per block (:func:`bias_corrections`).
+    ``noise_bits`` (non-negative int32 shaped like ``grads``, :func:`noise_from_bits`)
+    rounds the new codes stochastically, ``None`` to nearest. ``grad_scale`` divides the
+    gradients; a nonzero ``found_inf`` (float32, 0-dim) returns the inputs' values
+    unchanged. ``lr``, ``beta1``, ``beta2`` and ``eps`` are numbers or 0-dim float64
+    tensors (as the compiled step passes them); ``decay`` is a number. Returns the new
+    ``(weights, m_codes, m_scales, v_codes, v_scales)``; the inputs are not modified.
+
+    The update is ``torch.optim.AdamW``'s arithmetic on the decoded moments:
+    ``w = w * (1 - lr * decay) - step_size * m / (sqrt(v) / correction2_sqrt + eps)``.
 
     :class:`AdamW8bit` calls it as it is (the reference) or through ``torch.compile``
     (:func:`update_chunk_fused`).
@@ -191,27 +259,32 @@ def update_chunk(
         grads = grads / grad_scale
     m = dequantize_first_moment(m_codes, m_scales)
     v = dequantize_second_moment(v_codes, v_scales)
-    m.lerp_(grads, 1 - beta1)
+    # m * beta1 + (1 - beta1) * g rather than lerp: compiled, lerp picks between two
+    # formulas per element by its weight, a blend that costs as much as the rest.
+    m = _plus_product(m.mul_(beta1), 1 - beta1, grads)
     v = _plus_product(v.mul_(beta2), 1 - beta2, grads, grads)
+    delta = m / (v.sqrt() / correction2_sqrt).add_(eps) * step_size
+    noise_m = noise_v = None
+    if noise_bits is not None:
+        noise_m, noise_v = noise_from_bits(noise_bits)
+    m_codes_new, m_scales_new = _first_moment_codes(m, noise_m)
+    v_codes_new, v_scales_new = _second_moment_codes(v, noise_v)
     applied = None if found_inf is None else 1.0 - found_inf
-    steps = steps + (1.0 if applied is None else applied)
-    # Bias corrections per tensor, spread over its blocks.
-    correction1 = (1 - beta1**steps)[tensor_of_block].unsqueeze(1)
-    correction2 = (1 - beta2**steps)[tensor_of_block].unsqueeze(1)
-    update = (m / correction1) / ((v / correction2).sqrt_().add_(eps))
-    m_codes_new, m_scales_new = quantize_first_moment(m, noise_m)
-    v_codes_new, v_scales_new = quantize_second_moment(v, noise_v)
     if applied is not None:
-        skip = applied == 0
-        update = torch.where(skip, 0.0, update)
-        m_codes_new = torch.where(skip, m_codes, m_codes_new)
-        m_scales_new = torch.where(skip, m_scales, m_scales_new)
-        v_codes_new = torch.where(skip, v_codes, v_codes_new)
-        v_scales_new = torch.where(skip, v_scales, v_scales_new)
+        # A skipped step keeps everything. The codes are picked while still float32
+        # (compiled, a blend of int8 codes costs ten times one of floats), and the
+        # condition is expanded to the elements' shape (compiled, a blend by a 0-dim
+        # condition costs more than one by a tensor of them).
+        skip = (applied == 0).expand_as(m)
+        delta = torch.where(skip, 0.0, delta)
+        m_codes_new = torch.where(skip, m_codes.float(), m_codes_new)
+        v_codes_new = torch.where(skip, v_codes.float(), v_codes_new)
+        m_scales_new = torch.where(skip[:, 0], m_scales, m_scales_new)
+        v_scales_new = torch.where(skip[:, 0], v_scales, v_scales_new)
+    m_codes_new, v_codes_new = m_codes_new.to(torch.int8), v_codes_new.to(torch.uint8)
     if decay:
         weights = weights * (1 - lr * decay * (1.0 if applied is None else applied))
-    weights = _plus_product(weights, -lr, update)
-    return weights, m_codes_new, m_scales_new, v_codes_new, v_scales_new, steps
+    return weights - delta, m_codes_new, m_scales_new, v_codes_new, v_scales_new
 
 
 @functools.cache
@@ -228,7 +301,7 @@ def update_chunk_fused(
     beta2: float,
     eps: float,
     decay: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`update_chunk` (same arguments) through ``torch.compile``: one graph, its
     elementwise ops fused into a few kernels. Its results are the reference's up to the
     rounding of reordered float32 operations (see the module docstring).
@@ -298,11 +371,11 @@ class AdamW8bit(torch.optim.Optimizer):
     docstring says how the two agree. The first fused step compiles (seconds; again for
     the other rounding mode, a zero or nonzero ``weight_decay`` and another device,
     never for another chunk size or hyperparameter value). Measured on a CPU (a shared
-    2-core Intel Xeon with AVX-512, torch 2.13, one thread, medians of 31 interleaved
-    rounds): a step of one 1M-element parameter takes 58 ms eager and 27 ms fused
-    (2.2x), of a 4M one 186 and 101 ms (1.9x; 1.6x to 2.4x over six runs); the compiled
-    math alone is 2.6x faster, and the noise for stochastic rounding, drawn outside it,
-    is a quarter of a fused step. ``torch.optim.AdamW`` takes 5 and 18 ms.
+    2-core Intel Xeon with AVX-512, torch 2.13, one thread, medians of 31 rounds): a
+    step of one 1M-element parameter takes 42 ms eager and 12 ms fused (3.6x), of a 4M
+    one 140 and 60 ms (2.3x); the noise for stochastic rounding, drawn outside the
+    compiled math, is about a sixth of a fused step. ``torch.optim.AdamW`` (float32
+    moments, its per-tensor CPU loop) takes 2.5 and 14 ms.
 
     It speaks torch's fused-optimizer protocol (``_step_supports_amp_scaling``): given
     ``found_inf`` it skips on the device (parameters, codes, scales and ``step``
@@ -473,48 +546,53 @@ class AdamW8bit(torch.optim.Optimizer):
     ) -> None:
         device = params[0].device
         beta1, beta2 = group["betas"]
+        found_inf = None if found_inf is None else found_inf.to(device, torch.float32)
         states = [self.state[p] for p in params]
         sizes = [_padded(p.numel(), block) for p in params]
         block_counts = [n // block for n in sizes]
         total = sum(sizes)
         # Gather gradients and parameters into flat float32 buffers (one fused copy
         # each); the zero padding ends every tensor on a block boundary.
-        grads = torch.zeros(total, dtype=torch.float32, device=device)
-        weights = torch.zeros(total, dtype=torch.float32, device=device)
+        grads = torch.empty(total, dtype=torch.float32, device=device)
+        weights = torch.empty(total, dtype=torch.float32, device=device)
         grad_views = [v[: p.numel()].view(p.shape) for v, p in zip(grads.split(sizes), params)]
         weight_views = [v[: p.numel()].view(p.shape) for v, p in zip(weights.split(sizes), params)]
         torch._foreach_copy_(grad_views, [p.grad for p in params if p.grad is not None])
         torch._foreach_copy_(weight_views, list(params))
-        # The tensor each block belongs to, built on the host and copied in one go, from
+        # Only the padding is zeroed (its gradients must not reach the block scales).
+        tails = [v[p.numel():] for b in (grads, weights) for v, p in zip(b.split(sizes), params)
+                 if p.numel() < v.numel()]  # fmt: skip
+        if tails:
+            torch._foreach_zero_(tails)
+        # Where each tensor's blocks end, built on the host and copied in one go, from
         # pinned memory on CUDA so that the copy does not wait for the GPU.
-        tensor_of_block = torch.repeat_interleave(
-            torch.arange(len(params)), torch.tensor(block_counts))  # fmt: skip
+        block_ends = torch.tensor(list(itertools.accumulate(block_counts)))
         if device.type == "cuda":
-            tensor_of_block = tensor_of_block.pin_memory()
-        tensor_of_block = tensor_of_block.to(device, non_blocking=True)
-        noise_m = noise_v = None
+            block_ends = block_ends.pin_memory()
+        block_ends = block_ends.to(device, non_blocking=True)
+        noise_bits = None
         if self.rounding == "stochastic":  # drawn here: the generator is checkpointed
-            generator = self._generator(device)
-            noise_m = torch.rand((total // block, block), generator=generator, device=device)
-            noise_v = torch.rand((total // block, block), generator=generator, device=device)
+            noise_bits = torch.empty((total // block, block), dtype=torch.int32, device=device)
+            noise_bits.random_(generator=self._generator(device))
+        steps, step_size, correction2_sqrt = bias_corrections(
+            torch.stack([s["step"] for s in states]), block_ends, total // block,
+            found_inf, lr=group["lr"], beta1=beta1, beta2=beta2)  # fmt: skip
         update = update_chunk_fused if self._fused_on(device) else update_chunk
-        new_weights, *new_state = update(
+        new_weights, m_codes, m_scales, v_codes, v_scales = update(
             grads.view(-1, block),
             weights.view(-1, block),
             torch.cat([s["exp_avg_q"] for s in states]).view(-1, block),
             torch.cat([s["exp_avg_scale"] for s in states]),
             torch.cat([s["exp_avg_sq_q"] for s in states]).view(-1, block),
             torch.cat([s["exp_avg_sq_scale"] for s in states]),
-            torch.stack([s["step"] for s in states]),
-            tensor_of_block,
-            noise_m,
-            noise_v,
+            step_size,
+            correction2_sqrt,
+            noise_bits,
             None if grad_scale is None else grad_scale.to(device, torch.float32),
-            None if found_inf is None else found_inf.to(device, torch.float32),
+            found_inf,
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             decay=group["weight_decay"],
         )  # fmt: skip
-        m_codes, m_scales, v_codes, v_scales, steps = new_state
         new_views = new_weights.view(-1).split(sizes)
         torch._foreach_copy_(list(params), [v[: p.numel()].view(p.shape)
                                             for v, p in zip(new_views, params)])  # fmt: skip

@@ -415,8 +415,10 @@ class SplitMasterWeights(MasterWeights):
                     m.data = view.view(p.shape)
                 self._live.append(flat)
 
-    def _release(self) -> None:
-        """Split the live masters into low halves and free their float32 storage."""
+    def _release(self, rounded: list[torch.Tensor] | None = None) -> None:
+        """Split the live masters into low halves and free their float32 storage;
+        ``rounded`` holds each group's flat masters rounded to the weights' dtype, where
+        the caller has them."""
         if self._halves is not None:
             return
         with torch.no_grad():
@@ -428,7 +430,8 @@ class SplitMasterWeights(MasterWeights):
                     else torch.cat([m.detach().reshape(-1) for m in masters])
                 )
                 # The weights are the masters rounded to nearest, as masters_to_model wrote.
-                halves.append(self._split_flat(flat, flat.to(models[0].dtype)))
+                weights = flat.to(models[0].dtype) if rounded is None else rounded[i]
+                halves.append(self._split_flat(flat, weights))
                 empty = torch.empty(0, dtype=torch.float32, device=flat.device)  # shared
                 for m in masters:
                     m.data = empty
@@ -440,9 +443,20 @@ class SplitMasterWeights(MasterWeights):
         super().grads_to_masters()
 
     def masters_to_model(self) -> None:
+        """Round the masters into the model once (a group's flat buffer, rounded in one
+        kernel, is both what the model gets and what the split keeps beside), then
+        release them."""
         self._rebuild()  # copy_ema_to_params and checkpoint loads come here directly
-        super().masters_to_model()
-        self._release()
+        assert self._live is not None
+        self.restore_model()
+        with torch.no_grad():
+            rounded = []
+            for (models, _), flat in zip(self._grouped(), self._live):
+                rounded.append(flat.to(models[0].dtype))
+                views = rounded[-1].split([p.numel() for p in models])
+                torch._foreach_copy_(models, [v.view(p.shape) for v, p in zip(views, models)])
+        self._mark_model_current()
+        self._release(rounded)
 
     def state_dict(self) -> dict[str, Any]:
         if self._halves is None:  # the masters are live
