@@ -5,7 +5,8 @@ where bfloat16 ulps swallow single updates) with each mode over several seeds, a
 where installed, ``torch-optimi``'s Kahan-summation AdamW on the same bfloat16 model.
 ``split8`` and ``split8-8bit`` are :class:`~mixprec.optim.Split8MasterWeights` (bfloat16
 weight + int8 correction, the update in float32) around torch's AdamW and around
-:class:`~mixprec.optim.AdamW8bit` (8-bit moments); ``--modes`` runs a subset.
+:class:`~mixprec.optim.AdamW8bit` (8-bit moments; ``split8-8bit-fused``, not run by
+default, compiles its step); ``--modes`` runs a subset.
 Per mode: bytes per parameter (live tensor storage after training: parameters,
 optimizer state, masters or buffers), the optimizer step's time as the median of its
 per-step ratios to float32 masters (``fp32``; the modes of a seed train in lockstep,
@@ -43,6 +44,8 @@ __all__ = ["held_bytes_per_param", "run"]
 
 MODES = ("float32", "fp32", "split", "kahan", "stochastic", "split8", "split8-8bit", "bf16",
          "optimi-kahan")
+#: Not run by default: ``AdamW8bit(fused=True)`` (``torch.compile``; its first step compiles).
+EXTRA_MODES = ("split8-8bit-fused",)
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,9 +68,11 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float) -> Any:
         inner = optimi.AdamW(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                              kahan_sum=True)  # fmt: skip
         return LossScaleOptimizer(inner)
-    if mode in ("split8", "split8-8bit"):  # built directly: the masters around the inner step
-        cls: Any = AdamW8bit if mode == "split8-8bit" else torch.optim.AdamW
-        inner = cls(params, lr=lr, weight_decay=0.0)
+    if mode.startswith("split8"):  # built directly: the masters around the inner step
+        if mode == "split8":
+            inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        else:
+            inner = AdamW8bit(params, lr=lr, weight_decay=0.0, fused=True if mode.endswith("fused") else None)
         opt = LossScaleOptimizer(inner)
         opt._master = Split8MasterWeights(inner)
         return opt
@@ -200,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--modes", default=",".join(MODES), help="a subset of: " + ", ".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help="a subset of: " + ", ".join(MODES + EXTRA_MODES))
     parser.add_argument("--out", default=None, help="write the results as JSON here too")
     parser.add_argument("--main-job", action="store_true", help="the main job's models instead")
     parser.add_argument("--models", default="mlp,lenet5,transformer")
@@ -219,9 +224,9 @@ def main(argv: list[str] | None = None) -> None:
             Path(args.out).write_text(json.dumps(result, indent=2))
         return
     modes = tuple(args.modes.split(","))
-    unknown = sorted(set(modes) - set(MODES))
+    unknown = sorted(set(modes) - set(MODES + EXTRA_MODES))
     if unknown:
-        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
+        parser.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES + EXTRA_MODES)}")
     torch.set_num_threads(args.threads)
     result = run(args.steps, args.seeds, args.lr, args.width, modes)
     print(f"{'mode':14} {'B/param':>8} {'step vs fp32 [quartiles]':>26} {'loss mean':>10} "
