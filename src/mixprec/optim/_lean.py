@@ -314,7 +314,7 @@ class LeanUpdates:
                 flats[id(run)].sub_((p.float() * f).to(p.dtype))
                 continue
             values = _flat(members)
-            values.copy_(values.float().mul_(f))  # the product, rounded once to the dtype
+            torch.mul(values.float(), f, out=values)  # the product, rounded once to the dtype
             if len(members) == len(run.params):
                 flats[id(run)].sub_(values)
             else:  # some have no gradient: only the others' buffers change
@@ -356,7 +356,7 @@ class LeanUpdates:
             total.add_(torch.cat([views[id(p)].view(-1) for p in members]))
         if self.mode == "kahan":
             values.copy_(total)
-            flat.copy_(total.sub_(values))
+            torch.sub(total, values, out=flat)  # c = total - p, rounded once into the buffer
         else:  # stochastic_round over the run: one draw of noise, in parameter order
             del values  # freed before the noise is drawn: a lower peak
             bits = total.view(torch.int32)
