@@ -12,6 +12,7 @@ from mixprec.optim import AdamW8bit, LossScaleOptimizer
 from mixprec.optim._compressed_adamw import (
     dequantize_first_moment,
     dequantize_second_moment,
+    noise_from_bits,
     quantize_first_moment,
     quantize_second_moment,
 )
@@ -421,6 +422,40 @@ def test_fused_step_matches_the_eager_reference(chunk_size, one_thread):
             o.step()
     assert counters["stats"]["unique_graphs"] == graphs
     assert_matches_reference(params, opt, ref, ref_opt, lr=2e-2, steps=10)
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_compile)])
+def test_a_skipped_first_step_changes_nothing(fused, one_thread):
+    """At step 0 the bias corrections divide by zero (``lr / (1 - beta1**0)``): a skip
+    there must still leave weights, codes, scales and counts as they were, no NaN."""
+    params = make_params(seed=6)
+    opt = AdamW8bit(params, lr=1e-2, weight_decay=0.1, block_size=64, fused=fused)
+    weights = [p.detach().clone() for p in params]
+    set_grads(params, 0)
+    params[0].grad[0] = float("nan")
+    opt.found_inf, opt.grad_scale = torch.ones(()), torch.tensor(1.0)
+    opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(params, weights))
+    for p in params:
+        state = opt.state[p]
+        assert float(state["step"]) == 0
+        assert not state["exp_avg_q"].any() and not state["exp_avg_sq_q"].any()
+        assert not state["exp_avg_scale"].any() and not state["exp_avg_sq_scale"].any()
+    opt.found_inf = torch.zeros(())  # the next step is the first Adam step: lr * sign(g)
+    set_grads(params, 1)
+    opt.step()
+    for p, w in zip(params, weights):
+        expected = w * (1 - 1e-2 * 0.1) - 1e-2 * torch.sign(p.grad)
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-5)
+
+
+def test_noise_from_bits_is_uniform_and_independent():
+    bits = torch.empty(200_000, dtype=torch.int32).random_(generator=torch.Generator().manual_seed(0))
+    m, v = noise_from_bits(bits)
+    for u in (m, v):
+        assert 0 <= float(u.min()) and float(u.max()) < 1
+        assert abs(float(u.mean()) - 0.5) < 0.005 and abs(float(u.var()) - 1 / 12) < 0.002
+    assert abs(float(torch.corrcoef(torch.stack([m, v]))[0, 1])) < 0.01
 
 
 @needs_compile
