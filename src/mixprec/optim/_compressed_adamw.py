@@ -270,18 +270,25 @@ def update_chunk(
     m_codes_new, m_scales_new = _first_moment_codes(m, noise_m)
     v_codes_new, v_scales_new = _second_moment_codes(v, noise_v)
     applied = None if found_inf is None else 1.0 - found_inf
+    # A skipped step keeps everything. Compiled, the codes are picked while still
+    # float32 (a blend of int8 codes compiles to ten times the cost of one of floats)
+    # and the condition is expanded to the elements' shape (a blend by a 0-dim
+    # condition costs more than one by a tensor of them); eager, the int8 codes are
+    # picked (a quarter of the bytes). Codes are whole numbers: the same either way.
+    compiled = torch.compiler.is_compiling()
     if applied is not None:
-        # A skipped step keeps everything. The codes are picked while still float32
-        # (compiled, a blend of int8 codes costs ten times one of floats), and the
-        # condition is expanded to the elements' shape (compiled, a blend by a 0-dim
-        # condition costs more than one by a tensor of them).
-        skip = (applied == 0).expand_as(m)
+        skip = (applied == 0).expand_as(m) if compiled else applied == 0
         delta = torch.where(skip, 0.0, delta)
-        m_codes_new = torch.where(skip, m_codes.float(), m_codes_new)
-        v_codes_new = torch.where(skip, v_codes.float(), v_codes_new)
-        m_scales_new = torch.where(skip[:, 0], m_scales, m_scales_new)
-        v_scales_new = torch.where(skip[:, 0], v_scales, v_scales_new)
+        scale_skip = skip[:, 0] if compiled else skip
+        m_scales_new = torch.where(scale_skip, m_scales, m_scales_new)
+        v_scales_new = torch.where(scale_skip, v_scales, v_scales_new)
+        if compiled:
+            m_codes_new = torch.where(skip, m_codes.float(), m_codes_new)
+            v_codes_new = torch.where(skip, v_codes.float(), v_codes_new)
     m_codes_new, v_codes_new = m_codes_new.to(torch.int8), v_codes_new.to(torch.uint8)
+    if applied is not None and not compiled:
+        m_codes_new = torch.where(skip, m_codes, m_codes_new)
+        v_codes_new = torch.where(skip, v_codes, v_codes_new)
     if decay:
         weights = weights * (1 - lr * decay * (1.0 if applied is None else applied))
     return weights - delta, m_codes_new, m_scales_new, v_codes_new, v_scales_new
