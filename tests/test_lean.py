@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -436,4 +437,107 @@ def _lean_step_kernels(n_params):
 
 
 def test_lean_step_dispatches_as_many_ops_for_8_as_for_64_parameters():
-    assert _lean_step_kernels(8) == _lean_step_kernels(64) <= 24
+    # The run's parameters are views of its storage: no gather or scatter kernels.
+    assert _lean_step_kernels(8) == _lean_step_kernels(64) <= 13
+
+
+def _cnn_with_batchnorm(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 5),
+    )  # fmt: skip
+    return model.bfloat16()
+
+
+def _cnn_steps(model, opt, steps, seed=3, edit=None):
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        if edit is not None:
+            edit(step, model)
+        x = torch.randn(4, 3, 6, 6, generator=gen).bfloat16()
+        y = torch.randint(0, 5, (4,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_run_holds_its_parameters_in_one_storage(mode, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = _cnn_with_batchnorm(0)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    params = list(model.parameters())
+    opt = LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-3), master_weights=mode)
+    assert list(model.parameters()) == params  # the same Parameter objects
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    _cnn_steps(model, opt, 3)
+    assert len({p.untyped_storage().data_ptr() for p in params}) == 1
+    assert all(p.grad is None for p in params)
+    # Checkpoints hold each parameter once: torch.save of the state dict, safetensors.
+    state = model.state_dict()
+    torch.save(state, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    safe = load_file(str(tmp_path / "model.safetensors"))
+    for name, value in state.items():
+        assert torch.equal(loaded[name], value) and torch.equal(safe[name], value)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    assert (tmp_path / "model.safetensors").stat().st_size < weights + 4096
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parameter_given_new_storage_is_stepped_from_its_new_values(mode):
+    """``p.data = ...`` and a cast round trip (``Module.to``) between steps: the step
+    moves the new values into the run and trains exactly as an in-place edit would."""
+
+    def replace(step, model):
+        if step == 1:
+            model[0].weight.data = model[0].weight.detach() * 0.5  # new storage
+        if step == 2:
+            model.float().bfloat16()  # every parameter: new storage, the same values
+
+    def in_place(step, model):
+        if step == 1:
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)
+
+    results = []
+    for edit in (replace, in_place):
+        model = _cnn_with_batchnorm(1)
+        opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                 master_weights=mode)  # fmt: skip
+        _cnn_steps(model, opt, 4, edit=edit)
+        assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(_same_bits(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("change", ["cast", "channels_last"])
+def test_a_parameter_changed_after_the_optimizer_is_refused_before_anything_changes(change):
+    model = _cnn_with_batchnorm(2)
+    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                             master_weights="kahan")  # fmt: skip
+    _cnn_steps(model, opt, 2)
+    if change == "cast":
+        model.half()
+        x = torch.randn(2, 3, 6, 6).half()
+    else:
+        model.to(memory_format=torch.channels_last)
+        x = torch.randn(2, 3, 6, 6).bfloat16()
+    opt.scale_loss(model(x).float().square().mean()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    weights = [p.detach().clone() for p in model.parameters()]
+    compensation = [c.clone() for c in opt._master.compensation]
+    scale = float(opt.loss_scale)
+    expected = "torch.float16" if change == "cast" else "(strided)"
+    with pytest.raises(ValueError, match=rf"changed from torch.bfloat16 .* to .*{re.escape(expected)}.*"
+                       "build the optimizer"):  # fmt: skip
+        opt.step()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # not unscaled
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(c, d) for c, d in zip(opt._master.compensation, compensation))
+    assert int(opt.iterations) == 2 and float(opt.loss_scale) == scale

@@ -46,9 +46,9 @@ def _decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     )
 
 
-#: Most elements stepped together: the float32 sum and the low-precision copy of a run
-#: of parameters (6 bytes an element, at most 384 MiB) live only during the step, and
-#: each run costs a fixed dozen kernels, so a 150M-parameter model takes 3 runs.
+#: Most elements stepped together: the float32 sum of a run (4 bytes an element, at most
+#: 256 MiB; stochastic rounding's noise 4 more) lives only during the step, and each run
+#: costs a fixed handful of kernels, so a 150M-parameter model takes 3 runs.
 RUN_ELEMENTS = 1 << 26
 
 
@@ -60,10 +60,45 @@ class _Run:
     params: list[torch.Tensor]
     loose: bool = False
     flat: torch.Tensor | None = None  # kahan: the storage of these parameters' buffers
+    values: torch.Tensor | None = None  # the storage the parameters are views of
+    views: list[torch.Tensor] = dataclasses.field(default_factory=list)  # theirs, shaped
+    addresses: list[int] = dataclasses.field(default_factory=list)  # where each one starts
+    layout: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)  # what was held
 
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
+
+    def hold_values(self) -> None:
+        """Make the parameters views of one flat tensor, :attr:`values`, holding their
+        current values (a parameter keeps its identity; only its storage moves)."""
+        layout = [(p.shape, p.dtype, p.device, p.is_contiguous()) for p in self.params]
+        if self.layout and layout != self.layout:
+            changed = next(i for i, (a, b) in enumerate(zip(layout, self.layout)) if a != b)
+            raise ValueError(
+                f"a parameter stepped with lean updates changed from "
+                f"{_describe(self.layout[changed])} to {_describe(layout[changed])} after the "
+                "optimizer was built; move, cast or convert the "
+                "model first, then build the optimizer (or call amp.initialize) again"
+            )
+        self.layout = layout
+        self.values = torch.cat([p.detach().reshape(-1) for p in self.params])
+        pieces = self.values.split([p.numel() for p in self.params])
+        self.views = [piece.view(p.shape) for piece, p in zip(pieces, self.params)]
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views):
+                p.data = view
+        self.addresses = [p.data_ptr() for p in self.params]
+
+    def holds_values(self) -> bool:
+        """Whether every parameter is still the view :meth:`hold_values` made (code that
+        sets ``p.data``, such as ``Module.to``, gives a parameter new storage)."""
+        return all(p.data_ptr() == a for p, a in zip(self.params, self.addresses))
+
+
+def _describe(layout: tuple[Any, ...]) -> str:
+    shape, dtype, device, contiguous = layout
+    return f"{dtype} {tuple(shape)} on {device}" + ("" if contiguous else " (strided)")
 
 
 def _flat(params: list[torch.Tensor]) -> torch.Tensor:
@@ -104,9 +139,16 @@ class LeanUpdates:
 
     A step launches a fixed number of kernels, whatever the number of parameter tensors:
     consecutive contiguous parameters of one group, device and dtype form a run (up to
-    :data:`RUN_ELEMENTS` elements) whose values are gathered into one flat tensor
-    (``cat``), computed on there in float32 and scattered back (``split_with_sizes_copy``);
-    kahan's buffers are views of one flat tensor per run. Each parameter gets exactly the
+    :data:`RUN_ELEMENTS` elements), computed on as one flat tensor in float32. When the
+    optimizer is built, the parameters of a run become views of one flat tensor (each
+    keeps its identity, values and ``.grad``; only its storage moves, as with FSDP's
+    flat parameters), so the step reads and writes them there, with no gather or
+    scatter; kahan's buffers are views of one flat tensor per run too. Code that later
+    gives a parameter new storage (``p.data = ...``, ``Module.to``) is followed: the
+    next step moves its values back into the run; a changed dtype, shape, device or
+    layout is refused with a ``ValueError``. One thing shows: ``torch.save`` of a single
+    parameter (not of a ``state_dict``) writes its run's whole storage, as for any view;
+    ``p.detach().clone()`` saves just the parameter. Each parameter gets exactly the
     arithmetic of a step taken one parameter at a time, and stochastic rounding draws its
     noise in the same order, so on the CPU the two are bit-identical; on a GPU the noise
     comes from one draw per run, so the random stream differs from per-parameter draws.
@@ -201,6 +243,8 @@ class LeanUpdates:
             else:
                 last.params.append(p)
         for run in runs:
+            if not run.loose:
+                run.hold_values()
             if self.mode != "kahan":
                 continue
             first = run.params[0]
@@ -224,7 +268,17 @@ class LeanUpdates:
 
     # The parameters are what is stepped: nothing to copy either way.
     def grads_to_masters(self) -> None:
-        """Nothing to do: the inner optimizer reads the parameters' own gradients."""
+        """Before unscaling: parameters given new storage since the last step (``p.data =``,
+        ``Module.to``) are made views of their run's storage again, their values kept; a
+        parameter whose dtype, shape, device or layout changed is refused here, before
+        anything is unscaled or stepped. The inner optimizer reads the parameters' own
+        gradients: nothing is copied."""
+        self._hold()
+
+    def _hold(self) -> None:
+        for run in self._runs:
+            if not run.loose and not run.holds_values():
+                run.hold_values()
 
     def masters_to_model(self) -> None:
         """Nothing to do: :meth:`step` writes the parameters in place."""
@@ -243,9 +297,10 @@ class LeanUpdates:
         is ``LossScaleOptimizer``'s decoupled decay. Returns whether the host saw a skip.
 
         A fixed number of kernels per run of parameters (:data:`RUN_ELEMENTS`), not per
-        parameter: each run's values are gathered into one flat tensor, rounded there
-        and scattered back, and float32 parameters are decayed by one foreach op.
+        parameter: each run's flat storage is rounded in place, and float32 parameters
+        are decayed by one foreach op.
         """
+        self._hold()
         applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
         with torch.no_grad():
             flats = self._buffers()
@@ -261,7 +316,9 @@ class LeanUpdates:
                 if "weight_decay" in group:
                     saved_decay.append((group, group["weight_decay"]))
                     group["weight_decay"] = 0.0
-            originals = [p.data for p in self._low]
+            # What each parameter is between steps (runs hold their parameters' views).
+            originals = [v for run in self._runs
+                         for v in ([run.params[0].data] if run.loose else run.views)]  # fmt: skip
             for p, b in zip(self._low, buffers):
                 p.data = b
             try:
@@ -313,14 +370,18 @@ class LeanUpdates:
                 p = members[0]
                 flats[id(run)].sub_((p.float() * f).to(p.dtype))
                 continue
-            values = _flat(members)
-            torch.mul(values.float(), f, out=values)  # the product, rounded once to the dtype
+            assert run.values is not None
+            # The product in float32, rounded once to the dtype (a 0-d float32 factor
+            # is read at full precision by the low-precision kernel).
+            decay = torch.mul(run.values, f)
             if len(members) == len(run.params):
-                flats[id(run)].sub_(values)
+                flats[id(run)].sub_(decay)
             else:  # some have no gradient: only the others' buffers change
+                pieces = dict(zip(map(id, run.params), self._views(run, decay)))
                 views = dict(zip(map(id, run.params), self._views(run, flats[id(run)])))
-                pieces = values.split([p.numel() for p in members])
-                torch._foreach_sub_([views[id(p)].view(-1) for p in members], list(pieces))
+                torch._foreach_sub_(
+                    [views[id(p)] for p in members], [pieces[id(p)] for p in members]
+                )
         low = {id(p) for p in self._low}
         full: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in params:
@@ -347,25 +408,28 @@ class LeanUpdates:
             else:
                 p.copy_(stochastic_round(total, self._generators[str(p.device)]))
             return
-        values = _flat(members)
-        total = values.float()
-        if len(members) == len(run.params):
-            total.add_(flat)
-        else:
+        whole = len(members) == len(run.params)
+        assert run.values is not None
+        if whole:  # the parameters' own flat storage, read and written in place
+            values, buffer = run.values, flat
+        else:  # stochastic, some without gradients: just the others, gathered
             views = dict(zip(map(id, run.params), self._views(run, flat)))
-            total.add_(torch.cat([views[id(p)].view(-1) for p in members]))
+            values = _flat(members)
+            buffer = torch.cat([views[id(p)].view(-1) for p in members])
+        total = values.float().add_(buffer)
         if self.mode == "kahan":
             values.copy_(total)
             torch.sub(total, values, out=flat)  # c = total - p, rounded once into the buffer
-        else:  # stochastic_round over the run: one draw of noise, in parameter order
-            del values  # freed before the noise is drawn: a lower peak
-            bits = total.view(torch.int32)
-            noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32,
-                                  generator=self._generators[str(bits.device)])  # fmt: skip
-            bits.add_(noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
-            del noise
-            values = total.to(members[0].dtype)  # exact: the low 16 bits are zero
-        _scatter(values, members)
+            return
+        # stochastic_round over the members: one draw of noise, in parameter order
+        bits = total.view(torch.int32)
+        noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32,
+                              generator=self._generators[str(bits.device)])  # fmt: skip
+        bits.add_(noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
+        del noise
+        values.copy_(total)  # exact: the low 16 bits are zero
+        if not whole:
+            _scatter(values, members)
 
     def state_dict(self) -> dict[str, Any]:
         return {
