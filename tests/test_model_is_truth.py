@@ -102,6 +102,104 @@ def test_in_place_edit_between_steps_is_kept():
     assert float(model[0].weight.detach().abs().max()) < 0.01  # one small step from zero
 
 
+def _cnn(seed: int, channels_last: bool) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+                          nn.Flatten(), nn.Linear(6 * 5 * 5, 4))  # fmt: skip
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def _cnn_steps(model, opt, steps, edit=None):
+    gen = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        if edit is not None:
+            edit(step, model)
+        x = torch.randn(4, 3, 5, 5, generator=gen).bfloat16()
+        x = x.to(memory_format=torch.channels_last)
+        loss = nn.functional.cross_entropy(model(x).float(), torch.randint(0, 4, (4,), generator=gen))
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+ALL_MODES = ["fp32", "split", "split8", "kahan", "stochastic"]
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_a_weight_given_new_storage_trains_as_an_in_place_edit(mode):
+    """``p.data = ...`` keeps a parameter's version counter; every mode still sees it
+    (a cast round trip, ``model.float().bfloat16()``, gives every weight new storage)."""
+
+    def replace(step, model):
+        if step == 1:
+            model[0].weight.data = model[0].weight.detach() * 0.5
+        if step == 2:
+            model.float().bfloat16()
+
+    def in_place(step, model):
+        if step == 1:
+            with torch.no_grad():
+                model[0].weight.mul_(0.5)
+
+    runs = []
+    for edit in (replace, in_place):
+        model = _cnn(0, channels_last=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        level = "lean" if mode in ("kahan", "stochastic") else "O2"
+        model, opt = amp.initialize(model, opt, level, torch.bfloat16, master_weights=mode,
+                                    keep_batchnorm_fp32=False)  # fmt: skip
+        _cnn_steps(model, opt, 4, edit)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    initial = _cnn(0, channels_last=True)[0].weight.detach()
+    assert float(runs[1][0].abs().max()) < 0.5 * float(initial.abs().max()) + 0.01  # edited
+    for a, b in zip(*runs):
+        assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+def test_split_masters_of_a_channels_last_cnn_are_fp32_masters_in_one_storage():
+    """The split modes make a group's weights views of one flat tensor (strided as
+    before) and train bit for bit as float32 masters do."""
+    results = {}
+    for mode in ("fp32", "split"):
+        model = _cnn(1, channels_last=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        model, opt = amp.initialize(model, opt, "O2", torch.bfloat16, master_weights=mode,
+                                    keep_batchnorm_fp32=False)  # fmt: skip
+        _cnn_steps(model, opt, 4)
+        params = list(model.parameters())
+        assert params[0].is_contiguous(memory_format=torch.channels_last)
+        storages = {p.untyped_storage().data_ptr() for p in params}
+        assert len(storages) == (1 if mode == "split" else len(params))
+        results[mode] = params, opt.state_dict()
+    (p32, s32), (psplit, ssplit) = results["fp32"], results["split"]
+    assert all(torch.equal(a, b) for a, b in zip(p32, psplit))
+    masters = zip(s32["mixprec"]["master"]["masters"], ssplit["mixprec"]["master"]["masters"])
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in masters)
+
+
+@pytest.mark.parametrize("mode", ["split", "split8"])
+def test_a_split_weight_converted_after_initialize_is_refused_before_anything_changes(mode):
+    model = _cnn(2, channels_last=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, "O2", torch.bfloat16, master_weights=mode,
+                                keep_batchnorm_fp32=False)  # fmt: skip
+    _cnn_steps(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    model.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 5, 5).bfloat16()
+    opt.scale_loss(model(x).float().square().mean()).backward()
+    with pytest.raises(ValueError, match="changed from torch.bfloat16 .* strides .*build the"):
+        opt.step()
+    model.to(memory_format=torch.contiguous_format)  # back as it was: accepted again
+    key = "corrections" if mode == "split8" else "masters"
+    again = opt.state_dict()
+    for a, b in zip(saved["mixprec"]["master"][key], again["mixprec"]["master"][key]):
+        assert torch.equal(a, b)
+    assert int(opt.iterations) == 2
+    _cnn_steps(model, opt, 1)
+    assert int(opt.iterations) == 3
+
+
 def test_reloading_the_models_own_state_keeps_the_masters_bits():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -15,6 +15,7 @@ import torch
 from mixprec._checks import LOW_PRECISION, check_choice
 from mixprec.loss_scale import step_or_skip
 from mixprec.numerics import is_dtensor
+from mixprec.optim._flat_params import FlatParameters
 
 __all__ = ["LeanUpdates", "stochastic_round"]
 
@@ -60,45 +61,11 @@ class _Run:
     params: list[torch.Tensor]
     loose: bool = False
     flat: torch.Tensor | None = None  # kahan: the storage of these parameters' buffers
-    values: torch.Tensor | None = None  # the storage the parameters are views of
-    views: list[torch.Tensor] = dataclasses.field(default_factory=list)  # theirs, shaped
-    addresses: list[int] = dataclasses.field(default_factory=list)  # where each one starts
-    layout: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)  # what was held
+    storage: FlatParameters | None = None  # the parameters as views of one flat tensor
 
     @property
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
-
-    def hold_values(self) -> None:
-        """Make the parameters views of one flat tensor, :attr:`values`, holding their
-        current values (a parameter keeps its identity; only its storage moves)."""
-        layout = [(p.shape, p.dtype, p.device, p.is_contiguous()) for p in self.params]
-        if self.layout and layout != self.layout:
-            changed = next(i for i, (a, b) in enumerate(zip(layout, self.layout)) if a != b)
-            raise ValueError(
-                f"a parameter stepped with lean updates changed from "
-                f"{_describe(self.layout[changed])} to {_describe(layout[changed])} after the "
-                "optimizer was built; move, cast or convert the "
-                "model first, then build the optimizer (or call amp.initialize) again"
-            )
-        self.layout = layout
-        self.values = torch.cat([p.detach().reshape(-1) for p in self.params])
-        pieces = self.values.split([p.numel() for p in self.params])
-        self.views = [piece.view(p.shape) for piece, p in zip(pieces, self.params)]
-        with torch.no_grad():
-            for p, view in zip(self.params, self.views):
-                p.data = view
-        self.addresses = [p.data_ptr() for p in self.params]
-
-    def holds_values(self) -> bool:
-        """Whether every parameter is still the view :meth:`hold_values` made (code that
-        sets ``p.data``, such as ``Module.to``, gives a parameter new storage)."""
-        return all(p.data_ptr() == a for p, a in zip(self.params, self.addresses))
-
-
-def _describe(layout: tuple[Any, ...]) -> str:
-    shape, dtype, device, contiguous = layout
-    return f"{dtype} {tuple(shape)} on {device}" + ("" if contiguous else " (strided)")
 
 
 def _flat(params: list[torch.Tensor]) -> torch.Tensor:
@@ -244,7 +211,7 @@ class LeanUpdates:
                 last.params.append(p)
         for run in runs:
             if not run.loose:
-                run.hold_values()
+                run.storage = FlatParameters(run.params)
             if self.mode != "kahan":
                 continue
             first = run.params[0]
@@ -277,8 +244,8 @@ class LeanUpdates:
 
     def _hold(self) -> None:
         for run in self._runs:
-            if not run.loose and not run.holds_values():
-                run.hold_values()
+            if run.storage is not None:
+                run.storage.follow()
 
     def masters_to_model(self) -> None:
         """Nothing to do: :meth:`step` writes the parameters in place."""
@@ -317,8 +284,8 @@ class LeanUpdates:
                     saved_decay.append((group, group["weight_decay"]))
                     group["weight_decay"] = 0.0
             # What each parameter is between steps (runs hold their parameters' views).
-            originals = [v for run in self._runs
-                         for v in ([run.params[0].data] if run.loose else run.views)]  # fmt: skip
+            originals = [v for run in self._runs for v in
+                         (run.storage.views if run.storage else [run.params[0].data])]  # fmt: skip
             for p, b in zip(self._low, buffers):
                 p.data = b
             try:
@@ -370,10 +337,10 @@ class LeanUpdates:
                 p = members[0]
                 flats[id(run)].sub_((p.float() * f).to(p.dtype))
                 continue
-            assert run.values is not None
+            assert run.storage is not None
             # The product in float32, rounded once to the dtype (a 0-d float32 factor
             # is read at full precision by the low-precision kernel).
-            decay = torch.mul(run.values, f)
+            decay = torch.mul(run.storage.values, f)
             if len(members) == len(run.params):
                 flats[id(run)].sub_(decay)
             else:  # some have no gradient: only the others' buffers change
@@ -409,9 +376,9 @@ class LeanUpdates:
                 p.copy_(stochastic_round(total, self._generators[str(p.device)]))
             return
         whole = len(members) == len(run.params)
-        assert run.values is not None
+        assert run.storage is not None
         if whole:  # the parameters' own flat storage, read and written in place
-            values, buffer = run.values, flat
+            values, buffer = run.storage.values, flat
         else:  # stochastic, some without gradients: just the others, gathered
             views = dict(zip(map(id, run.params), self._views(run, flat)))
             values = _flat(members)

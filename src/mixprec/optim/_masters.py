@@ -35,6 +35,7 @@ import torch
 
 from mixprec._checks import LOW_PRECISION, check_choice
 from mixprec.numerics import is_dtensor, is_flat_shard, local_shards
+from mixprec.optim._flat_params import FlatParameters, is_dense
 from mixprec.optim._lean import LeanUpdates, stochastic_round
 
 __all__ = [
@@ -51,6 +52,10 @@ __all__ = [
 ]
 
 
+def _written(p: torch.Tensor) -> tuple[int, int]:
+    """What changes when ``p`` is written: its version (in-place writes) and, for a plain
+    tensor, where its data starts (``p.data = ...`` keeps the version but moves that)."""
+    return p._version, 0 if is_dtensor(p) else p.data_ptr()
 
 
 class MasterWeights:
@@ -112,7 +117,7 @@ class MasterWeights:
             group["params"] = masters
         self._low = [(p, m) for p, m in zip(self.model_params, self.masters) if p is not m]
         self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
-        self._versions: dict[int, int] = {}  # the model parameters' versions we wrote
+        self._versions: dict[int, tuple[int, int]] = {}  # the parameters as we wrote them
         # Shown by unscale_(): (param, master, its own data, its own grad) ...
         self._shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]] = []
         # ... and sharded ones: (param, master, the gradient written, its version).
@@ -149,15 +154,16 @@ class MasterWeights:
     #   stepped. The step (or zero_grad) gives the parameters their storage back.
 
     def _mark_model_current(self) -> None:
-        self._versions = {id(p): p._version for p, _ in self._low}
+        self._versions = {id(p): _written(p) for p, _ in self._low}
 
     def adopt_model_edits(self) -> None:
-        """Masters of model parameters written since the last copy take the new values.
+        """Masters of model parameters written since the last copy (in place, or given new
+        storage: ``p.data = ...``, ``Module.to``) take the new values.
 
         Elements whose low-precision value still equals the rounded master keep the
         master's extra bits, so re-loading the model's own checkpoint changes nothing.
         """
-        changed = [(p, m) for p, m in self._low if p._version != self._versions.get(id(p))]
+        changed = [(p, m) for p, m in self._low if _written(p) != self._versions.get(id(p))]
         if not changed:
             return
         with torch.no_grad():
@@ -292,8 +298,6 @@ class MasterWeights:
         self.masters_to_model()
 
 
-
-
 _TIE = 1 << 15
 
 
@@ -384,14 +388,36 @@ class SplitMasterWeights(MasterWeights):
         # per parameter; and, while the masters live, the flat buffer they view.
         self._halves: list[Any] | None = None  # per group, what _split_flat kept
         self._live: list[torch.Tensor] | None = None
+        # Per group, the model's weights as views of one flat tensor (FlatParameters;
+        # not held where a weight has gaps in its storage): rebuilt and rounded in place.
+        self._weights: list[FlatParameters] | None = None
         self._release()
 
     def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
         self._rebuild()
         group = super().add_param_group(group)
         self._live = None  # the new masters are not in the flat buffers yet
+        self._weights = None  # nor the new weights in the flat weights
         self._release()
         return group
+
+    def _flat_weights(self) -> list[FlatParameters]:
+        """Each group's model weights, flat (made views of one tensor on first use;
+        weights given new storage since are moved back in, their values kept)."""
+        if self._weights is None:
+            self._weights = [FlatParameters(models, hold=all(map(is_dense, models)))
+                             for models, _ in self._grouped()]  # fmt: skip
+        if not self._shown:  # (while the model shows the masters, they are not moved)
+            for weights in self._weights:
+                weights.follow()
+        return self._weights
+
+    @staticmethod
+    def _weight_values(weights: FlatParameters) -> torch.Tensor:
+        """The group's weights as one flat tensor: their own storage, or a gathered copy."""
+        if weights.held:
+            return weights.values
+        return weights.gather([p.detach() for p in weights.params])
 
     def _split_flat(self, flat: torch.Tensor, weights: torch.Tensor) -> Any:
         """What is kept of a group's flat float32 masters beside their rounded weights."""
@@ -405,14 +431,14 @@ class SplitMasterWeights(MasterWeights):
         """Materialise the float32 masters from the weights and their low halves."""
         if self._halves is None:
             return
+        flat_weights = self._flat_weights()  # may refuse a changed weight: before any change
         halves, self._halves = self._halves, None
         with torch.no_grad():
             self._live = []
-            for (models, masters), kept in zip(self._grouped(), halves):
-                weights = torch.cat([p.detach().reshape(-1) for p in models])
-                flat = self._join_flat(weights, kept)
-                for m, p, view in zip(masters, models, flat.split([p.numel() for p in models])):
-                    m.data = view.view(p.shape)
+            for (_, masters), weights, kept in zip(self._grouped(), flat_weights, halves):
+                flat = self._join_flat(self._weight_values(weights), kept)
+                for m, view in zip(masters, weights.views_of(flat)):
+                    m.data = view  # laid out as its weight
                 self._live.append(flat)
 
     def _release(self, rounded: list[torch.Tensor] | None = None) -> None:
@@ -423,15 +449,17 @@ class SplitMasterWeights(MasterWeights):
             return
         with torch.no_grad():
             halves = []
-            for i, (models, masters) in enumerate(self._grouped()):
+            for i, ((models, masters), weights) in enumerate(
+                zip(self._grouped(), self._flat_weights())
+            ):
                 flat = (
                     self._live[i]
                     if self._live is not None
-                    else torch.cat([m.detach().reshape(-1) for m in masters])
+                    else weights.gather([m.detach() for m in masters])
                 )
                 # The weights are the masters rounded to nearest, as masters_to_model wrote.
-                weights = flat.to(models[0].dtype) if rounded is None else rounded[i]
-                halves.append(self._split_flat(flat, weights))
+                rounded_i = flat.to(models[0].dtype) if rounded is None else rounded[i]
+                halves.append(self._split_flat(flat, rounded_i))
                 empty = torch.empty(0, dtype=torch.float32, device=flat.device)  # shared
                 for m in masters:
                     m.data = empty
@@ -443,18 +471,21 @@ class SplitMasterWeights(MasterWeights):
         super().grads_to_masters()
 
     def masters_to_model(self) -> None:
-        """Round the masters into the model once (a group's flat buffer, rounded in one
-        kernel, is both what the model gets and what the split keeps beside), then
+        """Round the masters into the model once, in one kernel per group (into the
+        weights' own flat storage, which the split then reads beside the masters), then
         release them."""
         self._rebuild()  # copy_ema_to_params and checkpoint loads come here directly
         assert self._live is not None
         self.restore_model()
         with torch.no_grad():
             rounded = []
-            for (models, _), flat in zip(self._grouped(), self._live):
-                rounded.append(flat.to(models[0].dtype))
-                views = rounded[-1].split([p.numel() for p in models])
-                torch._foreach_copy_(models, [v.view(p.shape) for v, p in zip(views, models)])
+            for (models, _), weights, flat in zip(self._grouped(), self._flat_weights(),
+                                                  self._live):  # fmt: skip
+                if weights.held:
+                    rounded.append(weights.values.copy_(flat))
+                else:
+                    rounded.append(flat.to(models[0].dtype))
+                    torch._foreach_copy_(models, weights.views_of(rounded[-1]))
         self._mark_model_current()
         self._release(rounded)
 
@@ -463,18 +494,16 @@ class SplitMasterWeights(MasterWeights):
             return {"mode": self.mode, "masters": [m.detach().clone() for _, m in self._low]}
         joined: dict[int, torch.Tensor] = {}
         with torch.no_grad():
-            for (models, masters), kept in zip(self._grouped(), self._halves):
-                flat = self._join_flat(torch.cat([p.detach().reshape(-1) for p in models]), kept)
-                views = flat.split([p.numel() for p in models])
-                joined.update({id(m): v.view(p.shape) for m, p, v in zip(masters, models, views)})
+            for (_, masters), weights, kept in zip(self._grouped(), self._flat_weights(),
+                                                   self._halves):  # fmt: skip
+                flat = self._join_flat(self._weight_values(weights), kept)
+                joined.update({id(m): v for m, v in zip(masters, weights.views_of(flat))})
         return {"mode": self.mode, "masters": [joined[id(m)] for _, m in self._low]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load exact masters: this mode's checkpoints or ``"fp32"``'s, interchangeably."""
         self._rebuild()
         super().load_state_dict(state)  # checks shapes, copies, rounds into the model, splits
-
-
 
 
 MASTER_WEIGHT_MODES = (False, "fp32", "split", "split8", "kahan", "stochastic")

@@ -155,9 +155,9 @@ class Split8MasterWeights(SplitMasterWeights):
         if self._halves is None:
             return []
         views: dict[int, torch.Tensor] = {}
-        for (models, masters), flat in zip(self._grouped(), self._halves):
-            for p, m, v in zip(models, masters, flat.split([p.numel() for p in models])):
-                views[id(m)] = v.view(p.shape)
+        for (_, masters), weights, flat in zip(self._grouped(), self._flat_weights(),
+                                               self._halves):  # fmt: skip
+            views.update(zip(map(id, masters), weights.views_of(flat)))
         return [views[id(m)] for _, m in self._low]
 
     def state_dict(self) -> dict[str, Any]:
@@ -210,9 +210,9 @@ class Split8MasterWeights(SplitMasterWeights):
         by_master = {id(m): s for s, (_, m) in zip(saved, self._low)}
         with torch.no_grad():
             kept = []
-            for models, masters in self._grouped():
-                kept.append(torch.cat([by_master[id(m)].reshape(-1) for m in masters])
-                            .to(models[0].device))  # fmt: skip
+            for (models, masters), weights in zip(self._grouped(), self._flat_weights()):
+                saved_here = [by_master[id(m)].to(models[0].device) for m in masters]
+                kept.append(weights.gather(saved_here))
                 for m in masters:
                     m.data = torch.empty(0, dtype=torch.float32, device=m.device)
                     m.grad = None
