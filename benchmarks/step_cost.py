@@ -106,6 +106,7 @@ from benchmarks._common import (
 )
 from benchmarks.recipes import build_recipe, make_optimizer
 from mixprec import numerics
+from mixprec.optim._flat_params import is_dense
 
 __all__ = [
     "MTA_CHUNK",
@@ -221,18 +222,6 @@ def _tensor_lists(args: Sequence[Any], kwargs: dict[str, Any]) -> list[list[torc
     return found
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory exactly once, in any order of dimensions."""
-    if t.layout != torch.strided:
-        return False
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _same_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape:
         return False
@@ -252,7 +241,7 @@ def _foreach_launches(name: str, lists: list[list[torch.Tensor]], out: Any, limi
     device, dtype = first[0].device, first[0].dtype
     cross_dtype_ok = name == "_foreach_copy_"
     fast = all(
-        t.device == device and _dense(t) and t.dtype == lst[0].dtype
+        t.device == device and is_dense(t) and t.dtype == lst[0].dtype
         and (cross_dtype_ok or t.dtype == dtype)
         for lst in walked for t in lst
     ) and all(_same_strides(a, b) for lst in walked[1:] for a, b in zip(first, lst))  # fmt: skip

@@ -135,3 +135,20 @@ def images(batch: int = 4, size: int = 16, classes: int = 10, seed: int = 0):
     pick = torch.randint(0, len(x), (batch,), generator=gen)
     x = nn.functional.interpolate(x[pick], size=size).repeat(1, 3, 1, 1)
     return x, y[pick] % classes
+
+
+def train_steps(model: nn.Module, opt, steps: int, *, edit=None, size: int = 8) -> None:
+    """``steps`` steps of a mixprec optimizer (``opt.scale_loss``) on batches of
+    :func:`images` in the first weight's dtype and memory format (channels-last
+    weights get channels-last batches); ``edit(step, model)`` runs before each."""
+    for step in range(steps):
+        if edit is not None:
+            edit(step, model)
+        first = next(model.parameters())
+        x, y = images(batch=4, size=size, classes=5, seed=step)
+        layout = torch.channels_last if first.is_contiguous(memory_format=torch.channels_last) \
+            and not first.is_contiguous() else torch.contiguous_format  # fmt: skip
+        loss = nn.functional.cross_entropy(model(x.to(first.dtype, memory_format=layout)).float(), y)
+        opt.scale_loss(loss).backward()
+        opt.step()
+        opt.zero_grad()

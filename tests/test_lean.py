@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from real_models import images, resnet, train_steps
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim._masters import join_bits, split_bits, stochastic_round
@@ -442,25 +443,7 @@ def test_lean_step_dispatches_as_many_ops_for_8_as_for_64_parameters():
 
 
 def _cnn_with_batchnorm(seed):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 5),
-    )  # fmt: skip
-    return model.bfloat16()
-
-
-def _cnn_steps(model, opt, steps, seed=3, edit=None):
-    gen = torch.Generator().manual_seed(seed)
-    for step in range(steps):
-        if edit is not None:
-            edit(step, model)
-        x = torch.randn(4, 3, 6, 6, generator=gen).bfloat16()
-        y = torch.randint(0, 5, (4,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
-        opt.scale_loss(loss).backward()
-        opt.step()
-        opt.zero_grad()
+    return resnet(widths=(4,), classes=5, seed=seed).bfloat16()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -474,7 +457,7 @@ def test_a_run_holds_its_parameters_in_one_storage(mode, tmp_path):
     assert list(model.parameters()) == params  # the same Parameter objects
     assert len({p.untyped_storage().data_ptr() for p in params}) == 1
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
-    _cnn_steps(model, opt, 3)
+    train_steps(model, opt, 3)
     assert len({p.untyped_storage().data_ptr() for p in params}) == 1
     assert all(p.grad is None for p in params)
     # Checkpoints hold each parameter once: torch.save of the state dict, safetensors.
@@ -510,7 +493,7 @@ def test_a_parameter_given_new_storage_is_stepped_from_its_new_values(mode):
         model = _cnn_with_batchnorm(1)
         opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
                                  master_weights=mode)  # fmt: skip
-        _cnn_steps(model, opt, 4, edit=edit)
+        train_steps(model, opt, 4, edit=edit)
         assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(_same_bits(a, b) for a, b in zip(*results))
@@ -521,13 +504,14 @@ def test_a_parameter_changed_after_the_optimizer_is_refused_before_anything_chan
     model = _cnn_with_batchnorm(2)
     opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
                              master_weights="kahan")  # fmt: skip
-    _cnn_steps(model, opt, 2)
+    train_steps(model, opt, 2)
+    x = images(batch=2, size=8, classes=5)[0]
     if change == "cast":
         model.half()
-        x = torch.randn(2, 3, 6, 6).half()
+        x = x.half()
     else:
         model.to(memory_format=torch.channels_last)
-        x = torch.randn(2, 3, 6, 6).bfloat16()
+        x = x.bfloat16()
     opt.scale_loss(model(x).float().square().mean()).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     weights = [p.detach().clone() for p in model.parameters()]

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from real_models import char_batches, gpt2, lm_loss
+from real_models import char_batches, gpt2, images, lm_loss, resnet, train_steps
 from torch import nn
 
 from mixprec import amp
@@ -103,23 +103,8 @@ def test_in_place_edit_between_steps_is_kept():
 
 
 def _cnn(seed: int, channels_last: bool) -> nn.Module:
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
-                          nn.Flatten(), nn.Linear(6 * 5 * 5, 4))  # fmt: skip
+    model = resnet(widths=(4,), classes=5, seed=seed)
     return model.to(memory_format=torch.channels_last) if channels_last else model
-
-
-def _cnn_steps(model, opt, steps, edit=None):
-    gen = torch.Generator().manual_seed(7)
-    for step in range(steps):
-        if edit is not None:
-            edit(step, model)
-        x = torch.randn(4, 3, 5, 5, generator=gen).bfloat16()
-        x = x.to(memory_format=torch.channels_last)
-        loss = nn.functional.cross_entropy(model(x).float(), torch.randint(0, 4, (4,), generator=gen))
-        opt.scale_loss(loss).backward()
-        opt.step()
-        opt.zero_grad()
 
 
 ALL_MODES = ["fp32", "split", "split8", "kahan", "stochastic"]
@@ -148,7 +133,7 @@ def test_a_weight_given_new_storage_trains_as_an_in_place_edit(mode):
         level = "lean" if mode in ("kahan", "stochastic") else "O2"
         model, opt = amp.initialize(model, opt, level, torch.bfloat16, master_weights=mode,
                                     keep_batchnorm_fp32=False)  # fmt: skip
-        _cnn_steps(model, opt, 4, edit)
+        train_steps(model, opt, 4, edit=edit)
         runs.append([p.detach().clone() for p in model.parameters()])
     initial = _cnn(0, channels_last=True)[0].weight.detach()
     assert float(runs[1][0].abs().max()) < 0.5 * float(initial.abs().max()) + 0.01  # edited
@@ -165,7 +150,7 @@ def test_split_masters_of_a_channels_last_cnn_are_fp32_masters_in_one_storage():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         model, opt = amp.initialize(model, opt, "O2", torch.bfloat16, master_weights=mode,
                                     keep_batchnorm_fp32=False)  # fmt: skip
-        _cnn_steps(model, opt, 4)
+        train_steps(model, opt, 4)
         params = list(model.parameters())
         assert params[0].is_contiguous(memory_format=torch.channels_last)
         storages = {p.untyped_storage().data_ptr() for p in params}
@@ -183,10 +168,10 @@ def test_a_split_weight_converted_after_initialize_is_refused_before_anything_ch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = amp.initialize(model, opt, "O2", torch.bfloat16, master_weights=mode,
                                 keep_batchnorm_fp32=False)  # fmt: skip
-    _cnn_steps(model, opt, 2)
+    train_steps(model, opt, 2)
     saved = copy.deepcopy(opt.state_dict())
     model.to(memory_format=torch.channels_last)
-    x = torch.randn(2, 3, 5, 5).bfloat16()
+    x = images(batch=2, size=8, classes=5)[0].bfloat16()
     opt.scale_loss(model(x).float().square().mean()).backward()
     with pytest.raises(ValueError, match="changed from torch.bfloat16 .* strides .*build the"):
         opt.step()
@@ -196,7 +181,7 @@ def test_a_split_weight_converted_after_initialize_is_refused_before_anything_ch
     for a, b in zip(saved["mixprec"]["master"][key], again["mixprec"]["master"][key]):
         assert torch.equal(a, b)
     assert int(opt.iterations) == 2
-    _cnn_steps(model, opt, 1)
+    train_steps(model, opt, 1)
     assert int(opt.iterations) == 3
 
 

@@ -26,6 +26,8 @@ def is_dense(t: torch.Tensor) -> bool:
     >>> is_dense(torch.ones(2, 3).t()), is_dense(torch.ones(3, 1).expand(3, 4))
     (True, False)
     """
+    if t.layout != torch.strided:
+        return False
     if t.numel() == 0:
         return True
     expected = 1
