@@ -473,9 +473,12 @@ def test_a_run_holds_its_parameters_in_one_storage(mode, tmp_path):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_parameter_given_new_storage_is_stepped_from_its_new_values(mode):
-    """``p.data = ...`` and a cast round trip (``Module.to``) between steps: the step
-    moves the new values into the run and trains exactly as an in-place edit would."""
+def test_a_parameter_given_new_storage_is_stepped_where_it_now_lives(mode):
+    """``p.data = ...``, a cast round trip (``Module.to``) and a wrapper that points a
+    weight at its own buffer before every forward (as sharding wrappers do): the run
+    is released and trains exactly as in-place edits, or no edits, would; the
+    wrapper's buffer gets every update."""
+    kept = {}
 
     def replace(step, model):
         if step == 1:
@@ -488,15 +491,24 @@ def test_a_parameter_given_new_storage_is_stepped_from_its_new_values(mode):
             with torch.no_grad():
                 model[0].weight.mul_(0.5)
 
-    results = []
-    for edit in (replace, in_place):
+    def managed(step, model):
+        if step == 1:
+            kept["buffer"] = model[0].weight.detach().clone()
+        if step >= 1:
+            model[0].weight.data = kept["buffer"]
+
+    results = {}
+    for edit in (replace, in_place, managed, None):
         model = _cnn_with_batchnorm(1)
         opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
                                  master_weights=mode)  # fmt: skip
         train_steps(model, opt, 4, edit=edit)
-        assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
-        results.append([p.detach().clone() for p in model.parameters()])
-    assert all(_same_bits(a, b) for a, b in zip(*results))
+        storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        assert (len(storages) == 1) == (edit in (in_place, None))  # released or held
+        results[edit] = [p.detach().clone() for p in model.parameters()]
+    assert all(_same_bits(a, b) for a, b in zip(results[replace], results[in_place]))
+    assert all(_same_bits(a, b) for a, b in zip(results[managed], results[None]))
+    assert _same_bits(kept["buffer"], results[None][0])
 
 
 @pytest.mark.parametrize("change", ["cast", "channels_last"])

@@ -113,7 +113,8 @@ ALL_MODES = ["fp32", "split", "split8", "kahan", "stochastic"]
 @pytest.mark.parametrize("mode", ALL_MODES)
 def test_a_weight_given_new_storage_trains_as_an_in_place_edit(mode):
     """``p.data = ...`` keeps a parameter's version counter; every mode still sees it
-    (a cast round trip, ``model.float().bfloat16()``, gives every weight new storage)."""
+    (a cast round trip, ``model.float().bfloat16()``, gives every weight new storage),
+    and a wrapper that keeps a weight in its own buffer gets every update there."""
 
     def replace(step, model):
         if step == 1:
@@ -126,19 +127,29 @@ def test_a_weight_given_new_storage_trains_as_an_in_place_edit(mode):
             with torch.no_grad():
                 model[0].weight.mul_(0.5)
 
-    runs = []
-    for edit in (replace, in_place):
+    kept = {}
+
+    def managed(step, model):  # a wrapper keeping the weight in its own buffer
+        if step == 1:
+            kept["buffer"] = model[0].weight.detach().clone()
+        if step >= 1:
+            model[0].weight.data = kept["buffer"]
+
+    runs = {}
+    for edit in (replace, in_place, managed, None):
         model = _cnn(0, channels_last=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         level = "lean" if mode in ("kahan", "stochastic") else "O2"
         model, opt = amp.initialize(model, opt, level, torch.bfloat16, master_weights=mode,
                                     keep_batchnorm_fp32=False)  # fmt: skip
         train_steps(model, opt, 4, edit=edit)
-        runs.append([p.detach().clone() for p in model.parameters()])
+        runs[edit] = [p.detach().clone() for p in model.parameters()]
     initial = _cnn(0, channels_last=True)[0].weight.detach()
-    assert float(runs[1][0].abs().max()) < 0.5 * float(initial.abs().max()) + 0.01  # edited
-    for a, b in zip(*runs):
-        assert torch.equal(a, b) and a.stride() == b.stride()
+    assert float(runs[in_place][0].abs().max()) < 0.5 * float(initial.abs().max()) + 0.01
+    for first, second in ((replace, in_place), (managed, None)):
+        for a, b in zip(runs[first], runs[second]):
+            assert torch.equal(a, b) and a.stride() == b.stride()
+    assert torch.equal(kept["buffer"], runs[None][0])  # the wrapper's buffer was stepped
 
 
 def test_split_masters_of_a_channels_last_cnn_are_fp32_masters_in_one_storage():

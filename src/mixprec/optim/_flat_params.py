@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from mixprec.numerics import is_flat_shard
+
 __all__ = ["FlatParameters", "is_dense"]
 
 
@@ -52,44 +54,63 @@ def _describe(layout: tuple[Any, ...]) -> str:
 
 
 class FlatParameters:
-    """``params`` (one device and dtype, each dense) as views of :attr:`values`, one flat
-    tensor holding each parameter's elements in its memory order, end to end.
+    """``params`` (one device and dtype) as views of :attr:`values`, one flat tensor
+    holding each parameter's elements in its memory order, end to end.
+
+    Parameters with gaps or overlaps in their storage cannot be views of a flat tensor,
+    and FSDP1's parameters live in its own buffers: with one of those (or
+    ``hold=False``) nothing is held, and :meth:`gather` and
+    :meth:`views_of` work in each parameter's logical order. Code that gives a held
+    parameter new storage (``p.data = ...``, ``Module.to``, a sharding wrapper that
+    points its parameters at its own buffers) may keep writing there, so the group is
+    released (:attr:`held` becomes ``False``; the parameters keep the storage they were
+    given) and its callers gather and scatter from then on, which is always right.
 
     >>> a = torch.nn.Parameter(torch.ones(2, 2))
     >>> b = torch.nn.Parameter(torch.zeros(3))
     >>> flat = FlatParameters([a, b])
     >>> flat.values.tolist(), a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     ([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0], True)
-    >>> b.data = torch.full((3,), 2.0)  # new storage ...
-    >>> flat.follow(); flat.values.tolist()  # ... moved back in, the value kept
-    [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+    >>> b.data = torch.full((3,), 2.0)  # new storage: released, gathered from now on
+    >>> flat.follow(); flat.held, flat.gather([a, b]).tolist()
+    (False, [1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
     """
 
     def __init__(self, params: list[torch.Tensor], hold: bool = True) -> None:
         if not params or len({(p.device, p.dtype) for p in params}) != 1:
             raise ValueError("FlatParameters needs parameters of one device and dtype")
-        for p in params if hold else ():
-            if not is_dense(p):
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} and strides {tuple(p.stride())} "
-                    "has gaps or overlaps in its storage; it cannot be a view of a flat tensor"
-                )
         self.params = list(params)
         self.sizes = [p.numel() for p in self.params]
-        #: Whether the parameters are views of :attr:`values`; if not (``hold=False``),
-        #: :meth:`gather` and :meth:`views_of` still work, in each parameter's logical order.
-        self.held = hold
-        self.layouts = [_layout(p) if hold else _contiguous_layout(p) for p in self.params]
-        self.values = torch.empty(0, dtype=params[0].dtype)  # while not held: empty
-        self.views: list[torch.Tensor] = []  # the parameters' storage: views of values
+        self.layouts = [_layout(p) for p in self.params]  # checked by follow()
+        dense = all(map(is_dense, self.params))
+        # Where views_of() puts each parameter: its memory order, or its logical order.
+        self._orders = self.layouts if dense else [_contiguous_layout(p) for p in self.params]
+        #: Whether the parameters are views of :attr:`values` (else it is empty).
+        self.held = False
+        self.values = torch.empty(0, dtype=params[0].dtype)
+        self.views: list[torch.Tensor] = []  # the parameters' storage while held
         self._addresses: list[int] = []
-        if hold:
-            self.hold()
+        # FSDP1 points its parameters at storage of its own (and keeps a reference to it):
+        # moving them would leave its copy behind, so they are never held.
+        if hold and dense and not any(map(is_flat_shard, self.params)):
+            self.values = self.gather([p.detach() for p in self.params])
+            self.views = self.views_of(self.values)
+            with torch.no_grad():
+                for p, view in zip(self.params, self.views):
+                    p.data = view
+            self._addresses = [p.data_ptr() for p in self.params]
+            self.held = True
 
-    def hold(self) -> None:
-        """Move the parameters' current values into a new :attr:`values` and make each
-        parameter a view of it, laid out as before; raise ``ValueError`` (changing
-        nothing) if a parameter's dtype, shape, device or layout is not what it was."""
+    def holds(self) -> bool:
+        """Whether every parameter is still the view this made."""
+        return self.held and all(p.data_ptr() == a for p, a in zip(self.params, self._addresses))
+
+    def follow(self) -> None:
+        """Before a step: raise ``ValueError`` (changing nothing) if a parameter's dtype,
+        shape, device or layout is not what it was; release the group if code gave a
+        parameter new storage."""
+        if self.holds():
+            return
         for p, was in zip(self.params, self.layouts):
             if _layout(p) != was:
                 raise ValueError(
@@ -97,39 +118,30 @@ class FlatParameters:
                     "after the optimizer was built; move, cast or convert the model first, "
                     "then build the optimizer (or call amp.initialize) again"
                 )
-        self.values = self.gather([p.detach() for p in self.params])
-        self.views = self.views_of(self.values)
-        with torch.no_grad():
-            for p, view in zip(self.params, self.views):
-                p.data = view
-        self._addresses = [p.data_ptr() for p in self.params]
-
-    def holds(self) -> bool:
-        """Whether every parameter is still the view :meth:`hold` made."""
-        return all(p.data_ptr() == a for p, a in zip(self.params, self._addresses))
-
-    def follow(self) -> None:
-        """:meth:`hold` again if code gave a parameter new storage since the last time."""
-        if self.held and not self.holds():
-            self.hold()
+        if self.held:
+            self.held, self.values, self.views = False, self.values[:0], []
 
     def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``flat`` (as many elements as :attr:`values`, any dtype) shaped and
-        strided as the parameters: element for element where :attr:`values` holds them."""
+        """Views of ``flat`` (one element per parameter element, any dtype) shaped as the
+        parameters, each where :meth:`gather` puts it."""
         views, offset = [], flat.storage_offset()
-        for (shape, stride, _, _), size in zip(self.layouts, self.sizes):
+        for (shape, stride, _, _), size in zip(self._orders, self.sizes):
             views.append(flat.as_strided(shape, stride, offset))
             offset += size
         return views
 
     def gather(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """One new flat tensor holding ``tensors`` (shaped as the parameters, any dtype)
-        where :meth:`views_of` sees them: one kernel when each is laid out as its
-        parameter (``cat`` of their storage blocks), else one copy per tensor."""
+        where :meth:`views_of` sees them: one kernel when each is laid out that way
+        (``cat`` of their storage blocks), else one copy per tensor."""
         if all(
-            t.shape == s and t.stride() == st for t, (s, st, _, _) in zip(tensors, self.layouts)
+            t.shape == s and t.stride() == st for t, (s, st, _, _) in zip(tensors, self._orders)
         ):
             return torch.cat([t.as_strided((n,), (1,)) for t, n in zip(tensors, self.sizes)])
         flat = torch.empty(sum(self.sizes), dtype=tensors[0].dtype, device=tensors[0].device)
         torch._foreach_copy_(self.views_of(flat), tensors)
         return flat
+
+    def scatter(self, flat: torch.Tensor) -> None:
+        """Write ``flat`` (laid out as :meth:`gather` makes it) into the parameters."""
+        torch._foreach_copy_([p.detach() for p in self.params], self.views_of(flat))

@@ -111,9 +111,10 @@ class LeanUpdates:
     keeps its identity, values and ``.grad``; only its storage moves, as with FSDP's
     flat parameters), so the step reads and writes them there, with no gather or
     scatter; kahan's buffers are views of one flat tensor per run too. Code that later
-    gives a parameter new storage (``p.data = ...``, ``Module.to``) is followed: the
-    next step moves its values back into the run; a changed dtype, shape, device or
-    layout is refused with a ``ValueError``. One thing shows: ``torch.save`` of a single
+    gives a parameter new storage (``p.data = ...``, ``Module.to``, a wrapper that
+    manages its parameters' storage) is followed: that run is gathered and scattered
+    from then on; a changed dtype, shape, device or layout is refused with a
+    ``ValueError``. One thing shows: ``torch.save`` of a single
     parameter (not of a ``state_dict``) writes its run's whole storage, as for any view;
     ``p.detach().clone()`` saves just the parameter. Each parameter gets exactly the
     arithmetic of a step taken one parameter at a time, and stochastic rounding draws its
@@ -235,11 +236,11 @@ class LeanUpdates:
 
     # The parameters are what is stepped: nothing to copy either way.
     def grads_to_masters(self) -> None:
-        """Before unscaling: parameters given new storage since the last step (``p.data =``,
-        ``Module.to``) are made views of their run's storage again, their values kept; a
-        parameter whose dtype, shape, device or layout changed is refused here, before
-        anything is unscaled or stepped. The inner optimizer reads the parameters' own
-        gradients: nothing is copied."""
+        """Before unscaling: a parameter whose dtype, shape, device or layout changed
+        since the optimizer was built is refused here, before anything is unscaled or
+        stepped; a run with a parameter given new storage (``p.data =``, ``Module.to``)
+        is gathered and scattered from then on. The inner optimizer reads the
+        parameters' own gradients: nothing is copied."""
         self._hold()
 
     def _hold(self) -> None:
@@ -285,7 +286,8 @@ class LeanUpdates:
                     group["weight_decay"] = 0.0
             # What each parameter is between steps (runs hold their parameters' views).
             originals = [v for run in self._runs for v in
-                         (run.storage.views if run.storage else [run.params[0].data])]  # fmt: skip
+                         (run.storage.views if run.storage and run.storage.held
+                          else [p.data for p in run.params])]  # fmt: skip
             for p, b in zip(self._low, buffers):
                 p.data = b
             try:
@@ -315,6 +317,14 @@ class LeanUpdates:
         return flats
 
     @staticmethod
+    def _values(run: _Run) -> torch.Tensor:
+        """The run's parameters as one flat tensor: their own storage while the run holds
+        them, else a gathered copy (to be scattered back after writing)."""
+        if run.storage is not None and run.storage.held:
+            return run.storage.values
+        return _flat(run.params)
+
+    @staticmethod
     def _views(run: _Run, flat: torch.Tensor) -> list[torch.Tensor]:
         """The run's per-parameter buffers: views of its flat storage, shaped like each."""
         if run.loose:
@@ -337,10 +347,9 @@ class LeanUpdates:
                 p = members[0]
                 flats[id(run)].sub_((p.float() * f).to(p.dtype))
                 continue
-            assert run.storage is not None
             # The product in float32, rounded once to the dtype (a 0-d float32 factor
             # is read at full precision by the low-precision kernel).
-            decay = torch.mul(run.storage.values, f)
+            decay = torch.mul(self._values(run), f)
             if len(members) == len(run.params):
                 flats[id(run)].sub_(decay)
             else:  # some have no gradient: only the others' buffers change
@@ -376,9 +385,9 @@ class LeanUpdates:
                 p.copy_(stochastic_round(total, self._generators[str(p.device)]))
             return
         whole = len(members) == len(run.params)
-        assert run.storage is not None
-        if whole:  # the parameters' own flat storage, read and written in place
-            values, buffer = run.storage.values, flat
+        held = run.storage is not None and run.storage.held
+        if whole:  # the parameters' own flat storage, read and written in place (if held)
+            values, buffer = self._values(run), flat
         else:  # stochastic, some without gradients: just the others, gathered
             views = dict(zip(map(id, run.params), self._views(run, flat)))
             values = _flat(members)
@@ -387,6 +396,8 @@ class LeanUpdates:
         if self.mode == "kahan":
             values.copy_(total)
             torch.sub(total, values, out=flat)  # c = total - p, rounded once into the buffer
+            if not held:
+                _scatter(values, members)
             return
         # stochastic_round over the members: one draw of noise, in parameter order
         bits = total.view(torch.int32)
@@ -395,7 +406,7 @@ class LeanUpdates:
         bits.add_(noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
         del noise
         values.copy_(total)  # exact: the low 16 bits are zero
-        if not whole:
+        if not (whole and held):
             _scatter(values, members)
 
     def state_dict(self) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import torch
 
 from mixprec._checks import LOW_PRECISION, check_choice
 from mixprec.numerics import is_dtensor, is_flat_shard, local_shards
-from mixprec.optim._flat_params import FlatParameters, is_dense
+from mixprec.optim._flat_params import FlatParameters
 from mixprec.optim._lean import LeanUpdates, stochastic_round
 
 __all__ = [
@@ -403,10 +403,9 @@ class SplitMasterWeights(MasterWeights):
 
     def _flat_weights(self) -> list[FlatParameters]:
         """Each group's model weights, flat (made views of one tensor on first use;
-        weights given new storage since are moved back in, their values kept)."""
+        released, so gathered and scattered, once code gives one new storage)."""
         if self._weights is None:
-            self._weights = [FlatParameters(models, hold=all(map(is_dense, models)))
-                             for models, _ in self._grouped()]  # fmt: skip
+            self._weights = [FlatParameters(models) for models, _ in self._grouped()]
         if not self._shown:  # (while the model shows the masters, they are not moved)
             for weights in self._weights:
                 weights.follow()
@@ -485,7 +484,7 @@ class SplitMasterWeights(MasterWeights):
                     rounded.append(weights.values.copy_(flat))
                 else:
                     rounded.append(flat.to(models[0].dtype))
-                    torch._foreach_copy_(models, weights.views_of(rounded[-1]))
+                    weights.scatter(rounded[-1])
         self._mark_model_current()
         self._release(rounded)
 
