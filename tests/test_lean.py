@@ -472,45 +472,6 @@ def test_a_run_holds_its_parameters_in_one_storage(mode, tmp_path):
     assert (tmp_path / "model.safetensors").stat().st_size < weights + 4096
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_parameter_given_new_storage_is_stepped_where_it_now_lives(mode):
-    """``p.data = ...``, a cast round trip (``Module.to``) and a wrapper that points a
-    weight at its own buffer before every forward (as sharding wrappers do): the run
-    is released and trains exactly as in-place edits, or no edits, would; the
-    wrapper's buffer gets every update."""
-    kept = {}
-
-    def replace(step, model):
-        if step == 1:
-            model[0].weight.data = model[0].weight.detach() * 0.5  # new storage
-        if step == 2:
-            model.float().bfloat16()  # every parameter: new storage, the same values
-
-    def in_place(step, model):
-        if step == 1:
-            with torch.no_grad():
-                model[0].weight.mul_(0.5)
-
-    def managed(step, model):
-        if step == 1:
-            kept["buffer"] = model[0].weight.detach().clone()
-        if step >= 1:
-            model[0].weight.data = kept["buffer"]
-
-    results = {}
-    for edit in (replace, in_place, managed, None):
-        model = _cnn_with_batchnorm(1)
-        opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                 master_weights=mode)  # fmt: skip
-        train_steps(model, opt, 4, edit=edit)
-        storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        assert (len(storages) == 1) == (edit in (in_place, None))  # released or held
-        results[edit] = [p.detach().clone() for p in model.parameters()]
-    assert all(_same_bits(a, b) for a, b in zip(results[replace], results[in_place]))
-    assert all(_same_bits(a, b) for a, b in zip(results[managed], results[None]))
-    assert _same_bits(kept["buffer"], results[None][0])
-
-
 @pytest.mark.parametrize("change", ["cast", "channels_last"])
 def test_a_parameter_changed_after_the_optimizer_is_refused_before_anything_changes(change):
     model = _cnn_with_batchnorm(2)

@@ -144,6 +144,9 @@ def test_a_weight_given_new_storage_trains_as_an_in_place_edit(mode):
                                     keep_batchnorm_fp32=False)  # fmt: skip
         train_steps(model, opt, 4, edit=edit)
         runs[edit] = [p.detach().clone() for p in model.parameters()]
+        if mode in ("split", "split8"):  # one storage while held; released by new storage
+            storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            assert (len(storages) == 1) == (edit in (in_place, None))
     initial = _cnn(0, channels_last=True)[0].weight.detach()
     assert float(runs[in_place][0].abs().max()) < 0.5 * float(initial.abs().max()) + 0.01
     for first, second in ((replace, in_place), (managed, None)):
