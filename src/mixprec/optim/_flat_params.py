@@ -121,6 +121,11 @@ class FlatParameters:
         if self.held:
             self.held, self.values, self.views = False, self.values[:0], []
 
+    def current(self) -> torch.Tensor:
+        """The parameters as one flat tensor: :attr:`values` while held (written in
+        place), else a gathered copy (to be :meth:`scatter`-ed back after writing)."""
+        return self.values if self.held else self.gather([p.detach() for p in self.params])
+
     def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` (one element per parameter element, any dtype) shaped as the
         parameters, each where :meth:`gather` puts it."""

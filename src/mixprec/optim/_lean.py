@@ -241,9 +241,9 @@ class LeanUpdates:
         stepped; a run with a parameter given new storage (``p.data =``, ``Module.to``)
         is gathered and scattered from then on. The inner optimizer reads the
         parameters' own gradients: nothing is copied."""
-        self._hold()
+        self._follow()
 
-    def _hold(self) -> None:
+    def _follow(self) -> None:
         for run in self._runs:
             if run.storage is not None:
                 run.storage.follow()
@@ -268,7 +268,7 @@ class LeanUpdates:
         parameter: each run's flat storage is rounded in place, and float32 parameters
         are decayed by one foreach op.
         """
-        self._hold()
+        self._follow()
         applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
         with torch.no_grad():
             flats = self._buffers()
@@ -317,14 +317,6 @@ class LeanUpdates:
         return flats
 
     @staticmethod
-    def _values(run: _Run) -> torch.Tensor:
-        """The run's parameters as one flat tensor: their own storage while the run holds
-        them, else a gathered copy (to be scattered back after writing)."""
-        if run.storage is not None and run.storage.held:
-            return run.storage.values
-        return _flat(run.params)
-
-    @staticmethod
     def _views(run: _Run, flat: torch.Tensor) -> list[torch.Tensor]:
         """The run's per-parameter buffers: views of its flat storage, shaped like each."""
         if run.loose:
@@ -349,7 +341,8 @@ class LeanUpdates:
                 continue
             # The product in float32, rounded once to the dtype (a 0-d float32 factor
             # is read at full precision by the low-precision kernel).
-            decay = torch.mul(self._values(run), f)
+            assert run.storage is not None
+            decay = torch.mul(run.storage.current(), f)
             if len(members) == len(run.params):
                 flats[id(run)].sub_(decay)
             else:  # some have no gradient: only the others' buffers change
@@ -385,9 +378,10 @@ class LeanUpdates:
                 p.copy_(stochastic_round(total, self._generators[str(p.device)]))
             return
         whole = len(members) == len(run.params)
-        held = run.storage is not None and run.storage.held
+        assert run.storage is not None
+        held = run.storage.held
         if whole:  # the parameters' own flat storage, read and written in place (if held)
-            values, buffer = self._values(run), flat
+            values, buffer = run.storage.current(), flat
         else:  # stochastic, some without gradients: just the others, gathered
             views = dict(zip(map(id, run.params), self._views(run, flat)))
             values = _flat(members)

@@ -411,13 +411,6 @@ class SplitMasterWeights(MasterWeights):
                 weights.follow()
         return self._weights
 
-    @staticmethod
-    def _weight_values(weights: FlatParameters) -> torch.Tensor:
-        """The group's weights as one flat tensor: their own storage, or a gathered copy."""
-        if weights.held:
-            return weights.values
-        return weights.gather([p.detach() for p in weights.params])
-
     def _split_flat(self, flat: torch.Tensor, weights: torch.Tensor) -> Any:
         """What is kept of a group's flat float32 masters beside their rounded weights."""
         return split_bits(flat, weights)
@@ -435,7 +428,7 @@ class SplitMasterWeights(MasterWeights):
         with torch.no_grad():
             self._live = []
             for (_, masters), weights, kept in zip(self._grouped(), flat_weights, halves):
-                flat = self._join_flat(self._weight_values(weights), kept)
+                flat = self._join_flat(weights.current(), kept)
                 for m, view in zip(masters, weights.views_of(flat)):
                     m.data = view  # laid out as its weight
                 self._live.append(flat)
@@ -495,7 +488,7 @@ class SplitMasterWeights(MasterWeights):
         with torch.no_grad():
             for (_, masters), weights, kept in zip(self._grouped(), self._flat_weights(),
                                                    self._halves):  # fmt: skip
-                flat = self._join_flat(self._weight_values(weights), kept)
+                flat = self._join_flat(weights.current(), kept)
                 joined.update({id(m): v for m, v in zip(masters, weights.views_of(flat))})
         return {"mode": self.mode, "masters": [joined[id(m)] for _, m in self._low]}
 
