@@ -279,7 +279,7 @@ def test_accuracy_sweep_over_seeds():
 
 
 def _reference_step(self, found_inf, skip, weight_decay=None, step_kwargs=None):
-    """LeanUpdates.step as it was, one parameter at a time: the bit-exact reference."""
+    """LeanUpdates.step one parameter at a time: the bit-exact reference."""
     from mixprec.loss_scale import step_or_skip
 
     applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
@@ -289,19 +289,19 @@ def _reference_step(self, found_inf, skip, weight_decay=None, step_kwargs=None):
             buffers = self.compensation
         else:
             buffers = [torch.zeros_like(p) for p in self._low]
-        by_id = {id(p): b for p, b in zip(self._low, buffers)}
+        kept_by_id = {}
         saved_decay = []
         for group in self.optimizer.param_groups:
             decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
             if decay:
-                factor = (group["lr"] * decay) * applied
+                kept = (1.0 - (group["lr"] * decay) * applied).float()
                 for p in group["params"]:
                     if p.grad is None:
                         continue
                     if id(p) in low_ids:
-                        by_id[id(p)].sub_((p.float() * factor.to(p.device)).to(p.dtype))
+                        kept_by_id[id(p)] = kept
                     else:
-                        p.mul_(1.0 - factor.to(p.device, p.dtype))
+                        p.mul_(kept.to(p.device, p.dtype))
             if "weight_decay" in group:
                 saved_decay.append((group, group["weight_decay"]))
                 group["weight_decay"] = 0.0
@@ -320,7 +320,10 @@ def _reference_step(self, found_inf, skip, weight_decay=None, step_kwargs=None):
         for p, b in zip(self._low, buffers):
             if p.grad is None and self.mode == "stochastic":
                 continue
-            total = p.float() + b.float()
+            total = p.float()
+            if id(p) in kept_by_id:  # the decayed weight, never rounded to low precision
+                total = total * kept_by_id[id(p)].to(p.device)
+            total = total + b.float()
             if self.mode == "kahan":
                 p.copy_(total)
                 b.copy_(total - p.float())

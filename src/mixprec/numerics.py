@@ -146,8 +146,7 @@ def _unscale_and_check_foreach_(group: list[torch.Tensor], inv_scale: torch.Tens
     """What the fused kernel does, in two foreach passes: a max-abs norm per tensor (an
     inf or NaN element makes it non-finite), then one in-place multiply."""
     device = group[0].device
-    norms = torch._foreach_norm(group, float("inf"))
-    found = torch.stack(norms).isfinite().all().logical_not().float()
+    found = nonfinite_flag(_largest(torch._foreach_norm(group, float("inf"))))
     torch._foreach_mul_(group, inv_scale.to(device, non_blocking=True))
     return found.to(inv_scale.device, non_blocking=True)
 
@@ -162,10 +161,10 @@ def any_nonfinite(tensors: Iterable[torch.Tensor | None], device: torch.device) 
     tensor(1.)
     """
     groups = group_by_device_and_dtype(t for t in tensors if t is not None and t.numel())
-    flags = [_nonfinite_flag(group) for group in groups.values()]
-    if not flags:
+    peaks = [_largest_magnitude(group).to(device) for group in groups.values()]
+    if not peaks:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack([f.to(device) for f in flags]).any().float()
+    return nonfinite_flag(_largest(peaks))
 
 
 #: On a CPU, :func:`any_nonfinite` first takes the L2 norms, which a CPU computes
@@ -177,12 +176,30 @@ def any_nonfinite(tensors: Iterable[torch.Tensor | None], device: torch.device) 
 CPU_NORM_PREFILTER = True
 
 
-def _nonfinite_flag(group: list[torch.Tensor]) -> torch.Tensor:
-    """A bool scalar: whether a tensor of ``group`` (one device and dtype) holds inf/NaN."""
+def _largest(values: list[torch.Tensor]) -> torch.Tensor:
+    """The largest of 0-d non-negative ``values`` (NaN if any is NaN): one kernel, none
+    for a single value."""
+    return values[0] if len(values) == 1 else torch.stack(values).amax()
+
+
+def _largest_magnitude(group: list[torch.Tensor]) -> torch.Tensor:
+    """The largest ``|element|`` of ``group`` (one device and dtype; NaN if any is NaN),
+    or 0 on a CPU when every element is known finite (see :data:`CPU_NORM_PREFILTER`)."""
     if CPU_NORM_PREFILTER and group[0].device.type == "cpu":
-        if bool(torch.stack(torch._foreach_norm(group, 2)).isfinite().all()):
-            return torch.zeros((), dtype=torch.bool)
-    return torch.stack(torch._foreach_norm(group, float("inf"))).isfinite().all().logical_not()
+        if bool(_largest(torch._foreach_norm(group, 2)) < float("inf")):
+            return torch.zeros((), dtype=group[0].dtype)
+    return _largest(torch._foreach_norm(group, float("inf")))
+
+
+def nonfinite_flag(value: torch.Tensor) -> torch.Tensor:
+    """1.0 if 0-d ``value`` is inf or NaN, else 0.0 (float32): two scalar kernels, where
+    ``isfinite`` takes four and a float cast one more.
+
+    >>> nonfinite_flag(torch.tensor(float("nan"))), nonfinite_flag(torch.tensor(3.0))
+    (tensor(1.), tensor(0.))
+    """
+    flag = torch.empty((), dtype=torch.float32, device=value.device)
+    return torch.logical_not(value < float("inf"), out=flag)  # NaN < inf is False
 
 
 def global_norm(

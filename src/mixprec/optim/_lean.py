@@ -38,7 +38,7 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
 
 def _decoupled(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether ``optimizer`` decays ``group`` apart from its gradient update (AdamW's
-    way), which the lean modes can fold into their buffer: torch's AdamW, a group with
+    way), which the lean modes can fold into their rounding: torch's AdamW, a group with
     torch's ``decoupled_weight_decay``, or a class that says so (``AdamW8bit``)."""
     return (
         isinstance(optimizer, torch.optim.AdamW)
@@ -98,9 +98,10 @@ class LeanUpdates:
     each low-precision parameter's storage is swapped for a buffer (``c``, or zeros), so
     the inner optimizer adds its update there, where it is small and so kept with full
     relative precision, and its state (Adam's moments) is created in the parameter's
-    dtype. Decoupled weight decay is folded into that buffer. Then, in float32::
+    dtype. Then, in float32, with decoupled weight decay folded in (``kept = 1 - lr *
+    weight_decay``, 1 without decay; the product is never rounded to low precision)::
 
-        total = p + buffer                     # the old value plus the exact-ish update
+        total = p * kept + buffer              # the decayed value plus the exact-ish update
         kahan:      p = round(total);  c = total - p
         stochastic: p = stochastic_round(total)
 
@@ -265,23 +266,22 @@ class LeanUpdates:
         is ``LossScaleOptimizer``'s decoupled decay. Returns whether the host saw a skip.
 
         A fixed number of kernels per run of parameters (:data:`RUN_ELEMENTS`), not per
-        parameter: each run's flat storage is rounded in place, and float32 parameters
-        are decayed by one foreach op.
+        parameter: each run's flat storage is decayed and rounded in place in four
+        (kahan), and float32 parameters are decayed by one foreach op.
         """
         self._follow()
-        applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
         with torch.no_grad():
             flats = self._buffers()
             if self.mode == "kahan":  # views of the runs' flat storage, made once
                 buffers = self.compensation
             else:
                 buffers = [b for run in self._runs for b in self._views(run, flats[id(run)])]
+            kept = self._kept_fractions(found_inf, skip, weight_decay)
             saved_decay = []
             for group in self.optimizer.param_groups:
-                decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
-                if decay:  # the inner optimizer would decay the buffer: decay p into it
-                    self._decay(group["params"], (group["lr"] * decay) * applied, flats)
-                if "weight_decay" in group:
+                if id(group) in kept:  # float32 parameters decay here, low ones when rounded
+                    self._decay_full(group["params"], kept[id(group)])
+                if "weight_decay" in group:  # the inner optimizer would decay the buffers
                     saved_decay.append((group, group["weight_decay"]))
                     group["weight_decay"] = 0.0
             # What each parameter is between steps (runs hold their parameters' views).
@@ -298,10 +298,27 @@ class LeanUpdates:
                 for group, decay in saved_decay:
                     group["weight_decay"] = decay
             if skipped:
-                return True  # nothing was stepped; the buffers got only a zero decay
+                return True  # nothing was stepped or decayed
             for run in self._runs:
-                self._round(run, flats[id(run)])
+                self._round(run, flats[id(run)], kept.get(id(run.params[0])))
         return False
+
+    def _kept_fractions(
+        self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
+    ) -> dict[int, torch.Tensor]:
+        """What decoupled decay keeps of each weight, ``1 - lr * decay * applied``
+        (``applied``: 0 on a skipped step), by ``id`` of each decayed group and of each
+        of its parameters: a 1-element float32 tensor on ``found_inf``'s device, which,
+        being 1-D, makes a low-precision weight times it float32 in one kernel."""
+        applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
+        kept = {}
+        for group in self.optimizer.param_groups:
+            decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
+            if decay:
+                fraction = (1.0 - (group["lr"] * decay) * applied).to(torch.float32).view(1)
+                kept[id(group)] = fraction
+                kept.update((id(p), fraction) for p in group["params"])
+        return kept
 
     def _buffers(self) -> dict[int, torch.Tensor]:
         """Each run's buffer storage for this step: kahan's compensation, or zeros."""
@@ -324,73 +341,53 @@ class LeanUpdates:
         pieces = flat.split([p.numel() for p in run.params])
         return [piece.view(p.shape) for piece, p in zip(pieces, run.params)]
 
-    def _decay(
-        self, params: list[torch.Tensor], factor: torch.Tensor, flats: dict[int, torch.Tensor]
-    ) -> None:
-        """Decoupled decay of ``params`` that have gradients: float32 ones in place, low ones
-        into their buffers as ``b -= round(p * factor)`` (the product in float32)."""
-        wanted = {id(p) for p in params if p.grad is not None}
-        for run in self._runs:
-            members = [p for p in run.params if id(p) in wanted]
-            if not members:
-                continue
-            f = factor.to(members[0].device)
-            if run.loose:
-                p = members[0]
-                flats[id(run)].sub_((p.float() * f).to(p.dtype))
-                continue
-            # The product in float32, rounded once to the dtype (a 0-d float32 factor
-            # is read at full precision by the low-precision kernel).
-            assert run.storage is not None
-            decay = torch.mul(run.storage.current(), f)
-            if len(members) == len(run.params):
-                flats[id(run)].sub_(decay)
-            else:  # some have no gradient: only the others' buffers change
-                pieces = dict(zip(map(id, run.params), self._views(run, decay)))
-                views = dict(zip(map(id, run.params), self._views(run, flats[id(run)])))
-                torch._foreach_sub_(
-                    [views[id(p)] for p in members], [pieces[id(p)] for p in members]
-                )
+    def _decay_full(self, params: list[torch.Tensor], kept: torch.Tensor) -> None:
+        """Decoupled decay of the float32 ``params`` that have gradients, in place (the
+        inner optimizer's decay is off; the low-precision ones decay in :meth:`_round`)."""
         low = {id(p) for p in self._low}
         full: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in params:
-            if id(p) in wanted and id(p) not in low:
+            if p.grad is not None and id(p) not in low:
                 full.setdefault((p.device, p.dtype), []).append(p)
-        for (device, dtype), group in full.items():  # decayed here: the inner decay is off
-            torch._foreach_mul_(group, 1.0 - factor.to(device, dtype))
+        for (device, dtype), group in full.items():
+            torch._foreach_mul_(group, kept.to(device, dtype).view(()))
 
-    def _round(self, run: _Run, flat: torch.Tensor) -> None:
-        """``total = p + b`` in float32, then kahan's ``p = round(total); b = total - p``
-        or stochastic rounding of ``total`` into ``p``, for every parameter of the run
-        (stochastic: those with gradients, drawing their noise in order)."""
+    def _round(self, run: _Run, flat: torch.Tensor, kept: torch.Tensor | None) -> None:
+        """``total = p * kept + b`` in float32 (``kept``: what decoupled decay keeps of
+        parameters with gradients, ``None`` without decay), then kahan's ``p =
+        round(total); b = total - p`` or stochastic rounding of ``total`` into ``p``, for
+        every parameter of the run (stochastic: those with gradients, drawing their noise
+        in order)."""
         members = run.params
         if self.mode == "stochastic":
             members = [p for p in members if p.grad is not None]
         if not members:
             return
-        if run.loose:
-            p = members[0]
-            total = p.float() + flat.float()
-            if self.mode == "kahan":
-                p.copy_(total)
-                flat.copy_(total - p.float())
-            else:
-                p.copy_(stochastic_round(total, self._generators[str(p.device)]))
-            return
         whole = len(members) == len(run.params)
-        assert run.storage is not None
-        held = run.storage.held
-        if whole:  # the parameters' own flat storage, read and written in place (if held)
+        if run.loose:
+            values, buffer = members[0], flat
+        elif whole:  # the parameters' own flat storage, read and written in place (if held)
+            assert run.storage is not None
             values, buffer = run.storage.current(), flat
         else:  # stochastic, some without gradients: just the others, gathered
             views = dict(zip(map(id, run.params), self._views(run, flat)))
             values = _flat(members)
             buffer = torch.cat([views[id(p)].view(-1) for p in members])
-        total = values.float().add_(buffer)
+        if kept is not None:
+            kept = kept.to(values.device)
+        decayed = [p.grad is not None for p in members]
+        if kept is not None and all(decayed):
+            total = torch.mul(values, kept)  # float32: the 1-element kept promotes it
+        else:
+            total = values.float()
+            if kept is not None and any(decayed):  # kahan: not the parameters without grads
+                pieces = [total] if run.loose else self._views(run, total)
+                torch._foreach_mul_([t for t, d in zip(pieces, decayed) if d], kept.view(()))
+        total.add_(buffer)
         if self.mode == "kahan":
             values.copy_(total)
             torch.sub(total, values, out=flat)  # c = total - p, rounded once into the buffer
-            if not held:
+            if not (run.loose or run.storage is None or run.storage.held):
                 _scatter(values, members)
             return
         # stochastic_round over the members: one draw of noise, in parameter order
@@ -400,7 +397,7 @@ class LeanUpdates:
         bits.add_(noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
         del noise
         values.copy_(total)  # exact: the low 16 bits are zero
-        if not (whole and held):
+        if not (run.loose or (whole and run.storage is not None and run.storage.held)):
             _scatter(values, members)
 
     def state_dict(self) -> dict[str, Any]:
