@@ -320,10 +320,9 @@ def _reference_step(self, found_inf, skip, weight_decay=None, step_kwargs=None):
         for p, b in zip(self._low, buffers):
             if p.grad is None and self.mode == "stochastic":
                 continue
-            total = p.float()
-            if id(p) in kept_by_id:  # the decayed weight, never rounded to low precision
-                total = total * kept_by_id[id(p)].to(p.device)
-            total = total + b.float()
+            # p * kept + b in float32, as one addcmul (kept 1 without decay)
+            kept = kept_by_id.get(id(p), torch.ones(1))
+            total = torch.addcmul(b, p, kept.reshape(1).to(p.device)).view(p.shape)
             if self.mode == "kahan":
                 p.copy_(total)
                 b.copy_(total - p.float())

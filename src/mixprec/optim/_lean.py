@@ -8,6 +8,7 @@ the updates that plain low-precision arithmetic rounds away.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
@@ -149,6 +150,7 @@ class LeanUpdates:
         self.compensation: list[torch.Tensor] = []
         self._generators: dict[str, torch.Generator] = {}
         self._runs: list[_Run] = []
+        self._ones: dict[torch.device, torch.Tensor] = {}  # 1-element float32 ones
         for group in optimizer.param_groups:
             self._adopt(group["params"])
 
@@ -266,8 +268,9 @@ class LeanUpdates:
         is ``LossScaleOptimizer``'s decoupled decay. Returns whether the host saw a skip.
 
         A fixed number of kernels per run of parameters (:data:`RUN_ELEMENTS`), not per
-        parameter: each run's flat storage is decayed and rounded in place in four
-        (kahan), and float32 parameters are decayed by one foreach op.
+        parameter: each run's flat storage is decayed and rounded in place in three
+        (kahan: ``addcmul``, round, remainder), and float32 parameters are decayed by one
+        foreach op.
         """
         self._follow()
         with torch.no_grad():
@@ -373,17 +376,7 @@ class LeanUpdates:
             views = dict(zip(map(id, run.params), self._views(run, flat)))
             values = _flat(members)
             buffer = torch.cat([views[id(p)].view(-1) for p in members])
-        if kept is not None:
-            kept = kept.to(values.device)
-        decayed = [p.grad is not None for p in members]
-        if kept is not None and all(decayed):
-            total = torch.mul(values, kept)  # float32: the 1-element kept promotes it
-        else:
-            total = values.float()
-            if kept is not None and any(decayed):  # kahan: not the parameters without grads
-                pieces = [total] if run.loose else self._views(run, total)
-                torch._foreach_mul_([t for t, d in zip(pieces, decayed) if d], kept.view(()))
-        total.add_(buffer)
+        total = self._total(values, buffer, members, kept)
         if self.mode == "kahan":
             values.copy_(total)
             torch.sub(total, values, out=flat)  # c = total - p, rounded once into the buffer
@@ -399,6 +392,34 @@ class LeanUpdates:
         values.copy_(total)  # exact: the low 16 bits are zero
         if not (run.loose or (whole and run.storage is not None and run.storage.held)):
             _scatter(values, members)
+
+    def _total(
+        self,
+        values: torch.Tensor,
+        buffer: torch.Tensor,
+        members: list[torch.Tensor],
+        kept: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``values * kept + buffer`` in float32 (one ``addcmul``: ``kept`` is 1-D, so the
+        low-precision operands are promoted), ``kept`` only for members with gradients
+        (1 for the others), ``values`` and ``buffer`` holding ``members`` end to end."""
+        device = values.device
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        kept = one if kept is None else kept.to(device)
+        factors = [kept if p.grad is not None else one for p in members]
+        if all(f is factors[0] for f in factors):
+            return torch.addcmul(buffer, values, factors[0])
+        # Some members have no gradient (and so no decay): a slice per stretch of either.
+        total = torch.empty(values.shape, dtype=torch.float32, device=device)
+        start = 0
+        for _, stretch in itertools.groupby(zip(factors, members), key=lambda fp: id(fp[0])):
+            pairs = list(stretch)
+            end = start + sum(p.numel() for _, p in pairs)
+            torch.addcmul(buffer[start:end], values[start:end], pairs[0][0], out=total[start:end])
+            start = end
+        return total
 
     def state_dict(self) -> dict[str, Any]:
         return {
