@@ -282,7 +282,6 @@ def _reference_step(self, found_inf, skip, weight_decay=None, step_kwargs=None):
     """LeanUpdates.step one parameter at a time: the bit-exact reference."""
     from mixprec.loss_scale import step_or_skip
 
-    applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
     low_ids = {id(p) for p in self._low}
     with torch.no_grad():
         if self.mode == "kahan":
@@ -294,7 +293,8 @@ def _reference_step(self, found_inf, skip, weight_decay=None, step_kwargs=None):
         for group in self.optimizer.param_groups:
             decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
             if decay:
-                kept = (1.0 - (group["lr"] * decay) * applied).float()
+                shrink = group["lr"] * decay
+                kept = (1.0 - shrink) + shrink * found_inf if skip else torch.tensor(1.0 - shrink)
                 for p in group["params"]:
                     if p.grad is None:
                         continue

@@ -309,18 +309,26 @@ class LeanUpdates:
     def _kept_fractions(
         self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
     ) -> dict[int, torch.Tensor]:
-        """What decoupled decay keeps of each weight, ``1 - lr * decay * applied``
-        (``applied``: 0 on a skipped step), by ``id`` of each decayed group and of each
-        of its parameters: a 1-element float32 tensor on ``found_inf``'s device, which,
-        being 1-D, makes a low-precision weight times it float32 in one kernel."""
-        applied = (1.0 - found_inf) if skip else torch.ones_like(found_inf)
+        """What decoupled decay keeps of each weight, ``1 - lr * decay`` (1 on a skipped
+        step), by ``id`` of each decayed group and of each of its parameters: a 1-element
+        float32 tensor on ``found_inf``'s device, which, being 1-D, makes a low-precision
+        weight times it float32 in one kernel. Two scalar kernels a group, one unskipped."""
         kept = {}
         for group in self.optimizer.param_groups:
             decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
-            if decay:
-                fraction = (1.0 - (group["lr"] * decay) * applied).to(torch.float32).view(1)
-                kept[id(group)] = fraction
-                kept.update((id(p), fraction) for p in group["params"])
+            if not decay:
+                continue
+            shrink = group["lr"] * decay
+            if isinstance(shrink, torch.Tensor):
+                shrink = shrink.to(found_inf.device)
+            if skip:  # 1 - shrink * (1 - found_inf), no host sync
+                fraction = torch.mul(found_inf, shrink).add_(1.0 - shrink)
+            elif isinstance(shrink, torch.Tensor):
+                fraction = 1.0 - shrink
+            else:
+                fraction = torch.full((), 1.0 - shrink, device=found_inf.device)
+            kept[id(group)] = fraction = fraction.to(torch.float32).view(1)
+            kept.update((id(p), fraction) for p in group["params"])
         return kept
 
     def _buffers(self) -> dict[int, torch.Tensor]:
