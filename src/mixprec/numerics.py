@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
@@ -176,7 +176,7 @@ def any_nonfinite(tensors: Iterable[torch.Tensor | None], device: torch.device) 
 CPU_NORM_PREFILTER = True
 
 
-def _largest(values: Sequence[torch.Tensor]) -> torch.Tensor:
+def _largest(values: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The largest of 0-d non-negative ``values`` (NaN if any is NaN): one kernel, none
     for a single value."""
     return values[0] if len(values) == 1 else torch.stack(values).amax()
