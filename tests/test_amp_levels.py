@@ -176,7 +176,7 @@ def test_o3_keeps_batchnorm_low_and_keep_batchnorm_fp32_flips_it():
         ("O1", torch.float16, DynamicLossScale),
         ("O1", torch.bfloat16, NoOpLossScale),
         ("O2", torch.float16, DynamicLossScale),
-        ("O2", torch.bfloat16, DynamicLossScale),
+        ("O2", torch.bfloat16, NoOpLossScale),
         ("O3", torch.float16, NoOpLossScale),
         ("O3", torch.bfloat16, NoOpLossScale),
     ],

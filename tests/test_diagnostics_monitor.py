@@ -52,7 +52,8 @@ class GradTap:
 
 def test_samples_follow_the_schedule_and_match_a_direct_count(one_thread):
     net = mlp()
-    net, opt = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O2", "bf16")
+    net, opt = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O2", "bf16",
+                              loss_scale="dynamic")
     tap = GradTap(opt, list(net.named_parameters()))
     monitor = GradientMonitor(opt, net, every=3, dtype=torch.float16)
     for x, y in data(7):

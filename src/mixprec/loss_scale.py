@@ -622,19 +622,18 @@ def loss_scale_from_spec(spec: LossScaleSpec) -> LossScale:
 def default_loss_scale(level: ModelLevel, dtype: torch.dtype) -> LossScale:
     """The loss scale a level gets in ``dtype`` when none is chosen: the one rule.
 
-    O2 is dynamic for both dtypes (the classic O2): with bfloat16 it never backs off
-    on finite gradients and costs nothing more than the finite check every level
-    runs anyway. O1 and the graph rewrite (``"rewrite"``) scale only float16, whose
-    gradients can underflow; O0, O3 and lean (Apex's O3: scale 1) never scale.
+    O1, O2 and the graph rewrite (``"rewrite"``) scale float16 dynamically, since its
+    gradients can underflow; bfloat16 has float32's exponent range, so it is not scaled
+    (as with ``torch.autocast``): the step then checks the gradients for inf and NaN
+    without rewriting them, and still skips a step that overflowed. O0, O3 and lean
+    (Apex's O3: scale 1) never scale.
 
-    >>> type(default_loss_scale("O2", torch.bfloat16)).__name__
+    >>> type(default_loss_scale("O2", torch.float16)).__name__
     'DynamicLossScale'
-    >>> [default_loss_scale(level, torch.bfloat16).kind for level in ("O1", "O3", "rewrite")]
-    ['none', 'none', 'none']
-    >>> default_loss_scale("rewrite", torch.float16).kind
-    'dynamic'
+    >>> [default_loss_scale(level, torch.bfloat16).kind for level in ("O1", "O2", "O3", "rewrite")]
+    ['none', 'none', 'none', 'none']
     """
-    if level == "O2" or (level in ("O1", "rewrite") and dtype == torch.float16):
+    if level in ("O1", "O2", "rewrite") and dtype == torch.float16:
         return DynamicLossScale()
     return NoOpLossScale()
 

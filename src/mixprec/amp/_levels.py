@@ -10,8 +10,8 @@
                                   the device: the forward runs under  none (bf16)
                                   torch.autocast(device, dtype), bit
                                   for bit (own lists: see below)
-    O2     low; norms float32     everything but the deny list        dynamic         float32, in
-                                  (BatchNorm, LayerNorm, GroupNorm..)                  the optimizer
+    O2     low; norms float32     everything but the deny list        dynamic (fp16)  float32, in
+                                  (BatchNorm, LayerNorm, GroupNorm..) none (bf16)     the optimizer
     O3     low, norms too         everything                          none           no
     lean   O3 in bfloat16 (or float16), every update Kahan-compensated: none     no (2 B/param
            compensation buffer, ``master_weights="kahan"``; float32-like updates at 8
@@ -23,9 +23,9 @@
 At every level the model's floating inputs are cast to its compute dtype on entry
 (float32 at O0 and O1) and its floating outputs to float32, so the loss is computed
 in float32. bfloat16
-has float32's exponent range, so its gradients do not underflow: O1 and O3 do not
-scale a bfloat16 loss by default, O2 keeps its dynamic scale (harmless, and it still
-skips a step whose gradients overflow).
+has float32's exponent range, so its gradients do not underflow: no level scales a
+bfloat16 loss by default (each still skips a step whose gradients overflow, after a
+read-only check).
 
 O3 steps low-precision parameters directly, so Adam's moments are float16 too. An
 ``eps`` below float16's smallest normal number (6.1e-05), like Adam's default 1e-8,

@@ -3,7 +3,7 @@
 >>> check_level("o2", "bf16", "cpu")
 ('O2', torch.bfloat16)
 >>> level_loss_scale(None, "O2", torch.bfloat16).kind, level_loss_scale(None, "O3", torch.bfloat16).kind
-('dynamic', 'none')
+('none', 'none')
 >>> require("no_such_library_here", "lightning", "mixprec.integrations.lightning")
 Traceback (most recent call last):
 ...

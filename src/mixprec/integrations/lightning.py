@@ -76,7 +76,7 @@ class MixprecPrecision(Precision):
         level: ``"O0"``-``"O3"``, ``"lean"`` or ``"auto"`` (decided by ``device``), as in
             :func:`mixprec.amp.initialize`.
         dtype: ``torch.bfloat16`` or ``torch.float16``.
-        loss_scale: ``None`` (the level's own: dynamic at O2 and for float16 O1),
+        loss_scale: ``None`` (the level's own: dynamic for float16 O1 and O2),
             ``"dynamic"``, a number, ``"none"`` or any :class:`~mixprec.LossScale`
             (e.g. ``DynamicLossScale(min_scale=..., hysteresis=2)``). Every optimizer
             shares it, as they share Lightning's one ``GradScaler``.
@@ -95,7 +95,7 @@ class MixprecPrecision(Precision):
 
     >>> plugin = MixprecPrecision(level="O2", dtype=torch.bfloat16)
     >>> plugin.precision, plugin.loss_scale.kind
-    ('bf16-mixed', 'dynamic')
+    ('bf16-mixed', 'none')
     >>> MixprecPrecision(level="O5")
     Traceback (most recent call last):
     ...
