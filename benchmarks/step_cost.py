@@ -37,8 +37,10 @@ or not) and optimizer (``step()``, the scaler's ``update()``, ``zero_grad()``).
 - ``_local_scalar_dense`` (``.item()``): 1 (a device-to-host copy that also syncs).
 
 **Bytes moved** by an op: the storage bytes of its tensor inputs (read) plus its tensor
-outputs (written; an in-place op's ``self`` counts both ways, except for ops that only
-write it: ``copy_``, ``fill_``, ``zero_``, random fills). Matrix products and
+outputs (written; an in-place op's ``self`` counts both ways, foreach and fused
+optimizers' lists included, as the op's schema marks them written, except for ops that
+only write it: ``copy_``, ``fill_``, ``zero_``, random fills, ``_foreach_copy_``; a
+fused optimizer writes its gradients back only when it unscales them). Matrix products and
 convolutions (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution*``, attention
 kernels) are listed separately: their launches are in the launch count, their bytes
 are not in "bytes moved".
@@ -151,7 +153,7 @@ _MATMUL = {
 #: In-place ops that write ``self`` without reading it.
 _WRITE_ONLY_SELF = {
     "copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_", "exponential_",
-    "geometric_", "cauchy_", "log_normal_",
+    "geometric_", "cauchy_", "log_normal_", "_foreach_copy_", "_foreach_zero_",
 }  # fmt: skip
 _CLEANUP_LAUNCH = {"_foreach_norm", "_foreach_max"}
 
@@ -251,6 +253,33 @@ def _foreach_launches(name: str, lists: list[list[torch.Tensor]], out: Any, limi
     return launches + (1 if name in _CLEANUP_LAUNCH and launches else 0)
 
 
+def _written_in_place(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op's schema marks as written (``Tensor(a!)``), out= arguments
+    aside: in-place foreach and fused-optimizer ops return none of them. A fused
+    optimizer writes its gradients back only when it unscales them (``grad_scale``)."""
+    fused = func.overloadpacket.__name__.startswith("_fused_")
+    written: list[torch.Tensor] = []
+    for index, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write or arg.name.startswith("out"):
+            continue
+        if fused and arg.name == "grads" and kwargs.get("grad_scale") is None:
+            continue
+        value = args[index] if not arg.kwarg_only and index < len(args) else kwargs.get(arg.name)
+        written += _tensors(value)
+    return written
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` without repeats of the same memory (an in-place op returns ``self``)."""
+    seen, kept = set(), []
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            kept.append(t)
+    return kept
+
+
 def op_cost(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
             limits: str = "cuda12") -> OpCost:  # fmt: skip
     """Price one aten op (see the module docstring for the model).
@@ -263,8 +292,9 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
     >>> cost.launches, cost.nbytes  # reads 2 x 64 bytes, writes 64
     (1, 192)
     >>> xs = [torch.ones(3) for _ in range(200)]
-    >>> op_cost(aten._foreach_mul_.Scalar, (xs, 2.0), {}, None).launches  # 110 per launch
-    2
+    >>> cost = op_cost(aten._foreach_mul_.Scalar, (xs, 2.0), {}, None)  # 110 per launch
+    >>> cost.launches, cost.nbytes  # each tensor read and written: 200 x 12 bytes twice
+    (2, 4800)
     """
     name = func.overloadpacket.__name__
     schema_name = func._schema.name.split("::")[-1]
@@ -279,6 +309,7 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
     reads = list(_tensors(positional)) + reads
     if outs_kw:
         out_tensors = list(_tensors([kwargs[k] for k in outs_kw]))
+    out_tensors = _unique([*out_tensors, *_written_in_place(func, args, kwargs)])
     nbytes = sum(map(_nbytes, reads)) + sum(map(_nbytes, out_tensors))
     if all(t.numel() == 0 for t in (*reads, *out_tensors)) and name != "_local_scalar_dense":
         return OpCost(0, 0)
