@@ -273,7 +273,8 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` without repeats of the same memory (an in-place op returns ``self``)."""
     seen, kept = set(), []
     for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        pointer = t.untyped_storage().data_ptr()  # 0 on the meta device: tell them apart
+        key = (pointer, t.storage_offset(), tuple(t.shape), t.dtype) if pointer else id(t)
         if key not in seen:
             seen.add(key)
             kept.append(t)
@@ -304,8 +305,8 @@ def op_cost(func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any,
     outs_kw = {k for k in kwargs if k == "out" or k.startswith("out")}
     reads = [t for t in _tensors([v for k, v in kwargs.items() if k not in outs_kw])]
     positional = list(args)
-    if name in _WRITE_ONLY_SELF and positional and isinstance(positional[0], torch.Tensor):
-        positional = positional[1:]
+    if name in _WRITE_ONLY_SELF and positional and list(_tensors(positional[0])):
+        positional = positional[1:]  # a tensor, or a foreach op's list
     reads = list(_tensors(positional)) + reads
     if outs_kw:
         out_tensors = list(_tensors([kwargs[k] for k in outs_kw]))

@@ -81,6 +81,22 @@ def test_fused_adamw_walks_four_lists_and_not_the_step_counters():
     assert op_cost(aten._fused_adamw_.default, args, kwargs, None).launches == math.ceil(n / 36)
 
 
+def test_in_place_foreach_and_fused_ops_count_what_they_write():
+    """They return nothing: what they write comes from their schema's mutated lists."""
+    xs, halves = _meta(*[10] * 3), _meta(*[10] * 3, dtype=torch.bfloat16)
+    assert op_cost(aten._foreach_mul_.Scalar, (xs, 2.0), {}, None).nbytes == 2 * 3 * 40
+    assert op_cost(aten._foreach_copy_.default, (xs, halves), {}, None).nbytes == 3 * (40 + 20)
+    params, grads, m, v = (_meta(100) for _ in range(4))
+    args = (params, grads, m, v, [], _meta(1))
+    kwargs = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                  maximize=False)  # fmt: skip
+    step = op_cost(aten._fused_adamw_.default, args, kwargs, None).nbytes
+    assert step == 4 * 400 + 3 * 400 + 4  # reads p, g, m, v (and the step); writes p, m, v
+    scale = torch.ones((), device="meta")
+    unscaled = op_cost(aten._fused_adamw_.default, args, {**kwargs, "grad_scale": scale}, None)
+    assert unscaled.nbytes == step + 4 + 400  # reads the scale; writes the gradients back
+
+
 def test_views_cost_nothing_and_plain_ops_one_launch_with_their_bytes():
     x = torch.ones(4, 4)
     assert op_cost(aten.view.default, (x, [16]), {}, x.view(16)).launches == 0
