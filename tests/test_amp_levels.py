@@ -4,6 +4,7 @@ optimizer steps, loss-scale defaults, custom lists, transformers, and rejected c
 from __future__ import annotations
 
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from mixprec.amp import _levels as amp_auto
 from mixprec.amp import _levels as amp_levels
 from mixprec.amp._casting import claim_model
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
+from mixprec.numerics import any_nonfinite
 from mixprec.optim import LossScaleOptimizer
 
 F32 = torch.float32
@@ -185,6 +187,36 @@ def test_default_loss_scale_per_level(level, low, kind):
     _, opt, _ = make_zoo(level, low)
     assert type(opt.loss_scaler) is kind
     assert opt.loss_scale.dtype == F32 and opt.loss_scale.dim() == 0
+
+
+def test_unscaled_bfloat16_o2_checks_the_model_gradients_and_skips_an_overflow():
+    """Without a loss scale the step reads the bfloat16 gradients once (half the bytes of
+    their float32 copies) and rewrites nothing; an inf or NaN still skips the step."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1), "O2",
+                                torch.bfloat16)  # fmt: skip
+    x, target = torch.randn(2, 4), torch.randn(2, 3)
+    for poison in (False, True, False):
+        (model(x).float() * target).sum().backward()
+        if poison:
+            model[0].weight.grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        checked = []
+
+        def check(tensors, device):
+            checked.append([t.dtype for t in tensors])
+            return any_nonfinite(tensors, device)
+
+        with mock.patch("mixprec.loss_scale.any_nonfinite", check):
+            opt.step()
+        assert checked == [[torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]]
+        for p, g in zip(model.parameters(), grads, strict=True):  # nothing rewritten
+            torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+        changed = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+        assert changed == [not poison] * 4, (poison, changed)
+        opt.zero_grad()
+    assert int(opt.skipped_steps) == 1 and int(opt.iterations) == 2
 
 
 def test_loss_scale_argument_forms():
