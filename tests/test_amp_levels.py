@@ -196,18 +196,19 @@ def test_unscaled_bfloat16_o2_checks_the_model_gradients_and_skips_an_overflow()
     model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1), "O2",
                                 torch.bfloat16)  # fmt: skip
     x, target = torch.randn(2, 4), torch.randn(2, 3)
+    checked = []
+
+    def check(tensors, device):  # what the finite check reads
+        checked.append([t.dtype for t in tensors])
+        return any_nonfinite(tensors, device)
+
     for poison in (False, True, False):
         (model(x).float() * target).sum().backward()
         if poison:
             model[0].weight.grad[0, 0] = float("nan")
         before = [p.detach().clone() for p in model.parameters()]
         grads = [p.grad.detach().clone() for p in model.parameters()]
-        checked = []
-
-        def check(tensors, device):
-            checked.append([t.dtype for t in tensors])
-            return any_nonfinite(tensors, device)
-
+        checked.clear()
         with mock.patch("mixprec.loss_scale.any_nonfinite", check):
             opt.step()
         assert checked == [[torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]]
