@@ -71,8 +71,9 @@ from benchmarks.gpu_measure import (
     step_flops,
 )
 from benchmarks.gpu_report import annotate, render_markdown
+from benchmarks.peers import PEER_RECIPES
 
-__all__ = ["PRIORITY", "Budget", "main", "plan_jobs"]
+__all__ = ["COMPILED_FIRST", "PEERS", "PRIORITY", "Budget", "main", "plan_jobs", "select_jobs"]
 
 #: Recipes in the order they run (and are dropped last-first when time runs out).
 PRIORITY: tuple[tuple[str, torch.dtype], ...] = (
@@ -88,6 +89,12 @@ PRIORITY: tuple[tuple[str, torch.dtype], ...] = (
     ("O2+fp8", torch.bfloat16),  # float8 linear layers (the float8 issue's GPU row)
     ("lean", torch.bfloat16),  # Kahan-compensated bfloat16, 8 bytes/param with AdamW
 )
+#: The specialists (``--peers``, :mod:`benchmarks.peers`), after mixprec's own recipes.
+PEERS: tuple[tuple[str, torch.dtype], ...] = tuple((name, torch.bfloat16) for name in PEER_RECIPES)
+#: Compiled, the recipes that the targets judge come first: compilations are the longest
+#: items of the run, the first to fall off the end of the budget; float32 goes last.
+COMPILED_FIRST = ("autocast", "O2", "O2+fp8", "torchao-fp8-tensorwise", "torchao-fp8-rowwise",
+                  "lean", "O3", "O1")  # fmt: skip
 
 
 class OutOfTime(BaseException):
@@ -121,17 +128,38 @@ class Budget:
         return self.seconds + max(20.0, 0.1 * self.seconds)
 
 
-def plan_jobs(compile_too: bool) -> list[Job]:
-    """Every recipe eager in :data:`PRIORITY` order, then (``compile_too``) compiled.
+def plan_jobs(compile_too: bool, peers: bool = False) -> list[Job]:
+    """Every recipe eager in :data:`PRIORITY` order (then :data:`PEERS`), then compiled.
 
-    Compiled, float32 goes last: no target needs it, and compilations are the
-    longest items of the run, the first to fall off the end of the budget.
+    Compiled, the recipes of :data:`COMPILED_FIRST` lead in that order, the rest follow in
+    eager order, and float32 goes last.
     """
-    eager = [Job(recipe, dtype, False) for recipe, dtype in PRIORITY]
+    eager = [Job(recipe, dtype, False) for recipe, dtype in PRIORITY + (PEERS if peers else ())]
     if not compile_too:
         return eager
-    fp32_last = sorted(eager, key=lambda job: job.recipe == "fp32")  # a stable sort
-    return eager + [dataclasses.replace(job, compiled=True) for job in fp32_last]
+
+    def rank(job: Job) -> tuple[int, int]:
+        first = job.recipe in COMPILED_FIRST and job.dtype == torch.bfloat16
+        return (COMPILED_FIRST.index(job.recipe) if first else len(COMPILED_FIRST),
+                job.recipe == "fp32")  # fmt: skip
+
+    ordered = sorted(eager, key=rank)  # a stable sort: the rest keep their eager order
+    return eager + [dataclasses.replace(job, compiled=True) for job in ordered]
+
+
+def select_jobs(jobs: list[Job], labels: str | None) -> list[Job]:
+    """The jobs whose labels ``labels`` (comma-separated) names, in plan order; all if None."""
+    if labels is None:
+        return jobs
+    wanted = [label.strip() for label in labels.split(",") if label.strip()]
+    known = {job.label for job in jobs}
+    unknown = [label for label in wanted if label not in known]
+    if unknown or not wanted:
+        raise ValueError(
+            f"--only {labels!r}: no recipe labelled {unknown or labels!r}; the labels are "
+            + ", ".join(job.label for job in jobs)
+        )
+    return [job for job in jobs if job.label in wanted]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -146,6 +174,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--budget-s", type=float, default=420.0, help="seconds (default 420)")
     parser.add_argument("--no-compile", action="store_true", help="eager recipes only")
+    parser.add_argument("--no-checks", action="store_true",
+                        help="leave out the host-sync check and the kernel profile")
+    parser.add_argument("--peers", action="store_true",
+                        help="also FlashOptim and torchao float8 (benchmarks.peers)")
+    parser.add_argument("--only", metavar="LABELS",
+                        help="comma-separated recipe labels, e.g. 'autocast bf16,compile(O2 bf16)'")
     parser.add_argument("--batch", type=int, help="batch size (default: the size's)")
     parser.add_argument("--steps", type=int, help="timed steps per recipe (default: the size's)")
     parser.add_argument("--device", help="cuda or cpu (default: cuda when available)")
@@ -156,6 +190,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag} must be >= 1, got {value}; leave it out for the default")
+    try:
+        select_jobs(plan_jobs(not args.no_compile, args.peers), args.only)
+    except ValueError as err:
+        parser.error(str(err))
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.device not in ("cuda", "cpu"):
         parser.error(f"--device must be 'cuda' or 'cpu', got {args.device!r}")
@@ -251,15 +289,15 @@ def _check_action(name: str, fn: Callable[[Workload], dict[str, Any]], work: Wor
 
 
 def _schedule(
-    work: Workload, doc: dict[str, Any], compile_too: bool
+    work: Workload, doc: dict[str, Any], jobs: list[Job], checks: bool
 ) -> list[tuple[str, str, Callable[[], None]]]:
     """(label, kind, action) in running order: eager recipes, the checks, compiled recipes."""
-    jobs = plan_jobs(compile_too)
     items = [(j.label, "eager", _job_action(j, work, doc)) for j in jobs if not j.compiled]
-    items.append(
-        ("host-sync check", "check", _check_action("host_syncs", host_sync_check, work, doc))
-    )
-    items.append(("kernel profile", "check", _check_action("profile", kernel_profile, work, doc)))
+    if checks:
+        sync = _check_action("host_syncs", host_sync_check, work, doc)
+        items.append(("host-sync check", "check", sync))
+        profile = _check_action("profile", kernel_profile, work, doc)
+        items.append(("kernel profile", "check", profile))
     items += [(j.label, "compiled", _job_action(j, work, doc)) for j in jobs if j.compiled]
     return items
 
@@ -332,10 +370,12 @@ def main(argv: list[str] | None = None) -> int:
         doc["matmul"] = matmul_rates(args.device, size.matmul_n)
         doc["flops"] = step_flops(work)
         _write(doc, args.out)
-        _run_schedule(_schedule(work, doc, not args.no_compile), budget, doc, args.out)
+        jobs = select_jobs(plan_jobs(not args.no_compile, args.peers), args.only)
+        _run_schedule(_schedule(work, doc, jobs, not args.no_checks), budget, doc, args.out)
         if args.no_compile:
+            compiled = select_jobs(plan_jobs(True, args.peers), None)
             doc["skipped"] += [
-                {"label": j.label, "reason": "--no-compile"} for j in plan_jobs(True) if j.compiled
+                {"label": j.label, "reason": "--no-compile"} for j in compiled if j.compiled
             ]
     except (OutOfTime, KeyboardInterrupt) as stop:  # before the schedule: rates or FLOPs
         doc["interrupted"] = f"{type(stop).__name__} before the recipes"

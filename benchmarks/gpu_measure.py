@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.peers import PEER_RECIPES, build_peer
 from benchmarks.recipes import build_recipe
 from mixprec.train.models import TransformerClassifier
 
@@ -251,9 +252,12 @@ def run_job(job: Job, work: Workload, flops: float, bf16_rate: float) -> dict[st
     baseline = _memory_mib(device, torch.cuda.memory_allocated)
     counters = _dynamo_counters(reset=True) if job.compiled else None
     start = time.perf_counter()
-    recipe = build_recipe(
-        job.recipe, work.model, work.x, device, job.dtype, compile_model=job.compiled
-    )
+    if job.recipe in PEER_RECIPES:
+        recipe = build_peer(job.recipe, work.model, device, compile_model=job.compiled)
+    else:
+        recipe = build_recipe(
+            job.recipe, work.model, work.x, device, job.dtype, compile_model=job.compiled
+        )
     built = time.perf_counter() - start
 
     def step() -> torch.Tensor:
@@ -288,8 +292,16 @@ def run_job(job: Job, work: Workload, flops: float, bf16_rate: float) -> dict[st
         "params_updated": not torch.equal(probe, next(recipe.model.parameters()).detach()),
         "skipped_steps": None if skipped is None else int(skipped),
     }
+    del probe  # out of the resident count below (as are the losses)
+    losses.clear()
     if row["peak_mib"] is not None:
         row["above_baseline_mib"] = row["peak_mib"] - baseline
+        # What the recipe keeps between steps (weights, masters, optimizer state; the
+        # step freed the gradients), per parameter of the model.
+        n_params = sum(p.numel() for p in recipe.model.parameters())
+        resident = torch.cuda.memory_allocated() - baseline * 2**20
+        row["resident_bytes_per_param"] = resident / n_params
+        row["peak_bytes_per_param"] = row["above_baseline_mib"] * 2**20 / n_params
     if counters is not None:
         row["dynamo"] = _dynamo_counters(reset=False)
     return row

@@ -494,7 +494,7 @@ class Prepared:
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         v = self.variant
-        with torch.autocast("cpu", dtype=v.dtype, enabled=v.level is None):
+        with torch.autocast(x.device.type, dtype=v.dtype, enabled=v.level is None):
             out = self.model(x)
         return F.cross_entropy(out.float(), y)
 
@@ -523,27 +523,28 @@ class Prepared:
 
 def prepare(variant: Variant, factory: Callable[[], nn.Module], example_x: torch.Tensor,
             seed: int = 0) -> Prepared:  # fmt: skip
-    """Build ``variant`` on the CPU from ``factory()`` (seeded) with AdamW(fused=True)."""
+    """Build ``variant`` on ``example_x``'s device from ``factory()`` (seeded), AdamW(fused=True)."""
+    device = str(example_x.device)
     if variant.level == "rewrite":
-        r = build_recipe("rewrite", factory, example_x, "cpu", variant.dtype, seed=seed)
+        r = build_recipe("rewrite", factory, example_x, device, variant.dtype, seed=seed)
         return Prepared(variant, r.model, r.optimizer)
     torch.manual_seed(seed)
-    model = factory()
+    model = factory().to(device)
     model.train()
     if variant.adamw8bit:
         from mixprec.optim import AdamW8bit
 
         inner: torch.optim.Optimizer = AdamW8bit(model.parameters(), lr=1e-3)
     else:
-        inner = make_optimizer(model.parameters(), "cpu")
+        inner = make_optimizer(model.parameters(), device)
     if variant.level is None:
         scaler: Any = None
         if variant.scaler == "torch":
-            scaler = torch.amp.GradScaler("cpu")
+            scaler = torch.amp.GradScaler(example_x.device.type)
         elif variant.scaler == "mixprec":
             from mixprec import GradScaler
 
-            scaler = GradScaler("cpu")
+            scaler = GradScaler(example_x.device.type)
         return Prepared(variant, model, inner, scaler)
     from mixprec import amp
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -212,3 +213,20 @@ def test_command_line_writes_its_own_section(tmp_path, capsys):
 def test_variant_anchor_is_the_torch_recipe_of_its_dtype():
     assert Variant("x", torch.bfloat16, "O2").anchor == "autocast bf16"
     assert Variant("y", torch.float16, "O2").anchor == "autocast+GradScaler fp16"
+
+
+def test_the_gpu_check_runs_on_a_cpu_with_the_estimates_and_no_measurements(tmp_path):
+    """``benchmarks.gpu_step_cost`` on a CPU: every recipe's estimate, no profiler columns."""
+    from benchmarks import gpu_step_cost
+
+    labels = "autocast bf16,lean bf16"
+    assert gpu_step_cost.main(["--out", str(tmp_path), "--device", "cpu", "--small",
+                               "--only", labels]) == 0  # fmt: skip
+    doc = json.loads((tmp_path / "gpu_step_cost.json").read_text(encoding="utf-8"))
+    assert [r["label"] for r in doc["rows"]] == labels.split(",")
+    for row in doc["rows"]:
+        assert row["predicted"]["optimizer_launches"] > 0 and row["predicted"]["step_launches"] > 0
+        assert row["measured"] == {"step": None, "optimizer": None}
+    assert doc["copy_bandwidth"] is None
+    table = (tmp_path / "gpu_step_cost.md").read_text(encoding="utf-8")
+    assert table.count("\n") == 2 + len(doc["rows"]) and "| lean bf16 |" in table
