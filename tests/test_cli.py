@@ -16,7 +16,7 @@ from matplotlib.image import imread
 from mixprec.cli import main
 from mixprec.train._plots import read_plot_data
 
-FAST = ["--quiet", "--threads", "1"]
+FAST = ["--quiet", "--threads", "1", "--device", "cpu"]  # the CPU is the reference here
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

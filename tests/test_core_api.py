@@ -247,6 +247,14 @@ def _compiled_run(inner: str, compile_step: bool):
     return snapshot(model, opt) + [opt.loss_scale.clone()], counters
 
 
+# torch 2.11's Dynamo fails inside a compiled LossScaleOptimizer.step (docs/guides/compile.md).
+NEEDS_TORCH_2_13 = pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="compiling the optimizer step needs torch >= 2.13",
+)
+
+
+@NEEDS_TORCH_2_13
 @pytest.mark.parametrize("inner", ["sgd-momentum", "adamw-fused"])
 def test_a_compiled_train_step_keeps_the_counters_of_eager(inner):
     eager, eager_counters = _compiled_run(inner, compile_step=False)
@@ -388,6 +396,7 @@ def test_collapse_after_none_never_raises():
     assert int(opt.skipped_steps) == 30
 
 
+@NEEDS_TORCH_2_13
 def test_a_compiled_fused_step_breaks_only_where_torchs_optimizers_do():
     """torch's own ``Optimizer.step`` breaks the graph around every optimizer step
     (``_use_grad``); the wrapped step adds no break of its own."""

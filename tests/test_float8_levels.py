@@ -15,7 +15,7 @@ from mixprec import amp
 from mixprec.cli import main
 from mixprec.float8 import Float8Linear, convert_to_float8, read_float8_stats
 
-FAST = ["--quiet", "--threads", "1"]
+FAST = ["--quiet", "--threads", "1", "--device", "cpu"]  # the CPU is the reference here
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from mixprec.cli import main
 from mixprec.loss_scale import NoOpLossScale
 from mixprec.train.models import MLP
 
-FAST = ["--quiet", "--threads", "1"]
+FAST = ["--quiet", "--threads", "1", "--device", "cpu"]  # the CPU is the reference here
 
 
 def _net() -> nn.Module:

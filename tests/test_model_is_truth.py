@@ -84,7 +84,7 @@ def test_model_network_load_state_dict_after_model_is_built():
     pretrained = _mlp(seed=1).state_dict()
     net = _mlp(seed=0)
     model = Model(net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4), amp_level="O2",
-                  dtype=torch.bfloat16)  # fmt: skip
+                  dtype=torch.bfloat16, device="cpu")  # fmt: skip
     model.network.load_state_dict(pretrained)
     x, y = _batch()
     model.train(1, [(x, y)])

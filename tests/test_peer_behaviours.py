@@ -59,10 +59,12 @@ def test_a_preset_grad_scale_after_unscale_is_all_the_fused_kernel_divides_by(op
         assert torch.equal(weight.grad, torch.full_like(weight, 3.0))
         opt.grad_scale = torch.tensor([3.0])
         scaler.step(opt)
-        assert not hasattr(opt, "grad_scale")  # the step consumed it
-        runs[kind] = (weight.grad.clone(), weight.detach().clone())
+        # Whether the step consumes the attribute is the torch version's business (2.13's
+        # does; 2.11's fused Adagrad keeps it): the drop-in must do what torch's does.
+        runs[kind] = (weight.grad.clone(), weight.detach().clone(), hasattr(opt, "grad_scale"))
     assert torch.equal(runs["mixprec"][0], torch.full((2, 3), 1.0))
-    for mine, theirs in zip(runs["mixprec"], runs["torch"]):
+    assert runs["mixprec"][2] == runs["torch"][2]
+    for mine, theirs in zip(runs["mixprec"][:2], runs["torch"][:2]):
         assert torch.equal(mine, theirs)
 
 

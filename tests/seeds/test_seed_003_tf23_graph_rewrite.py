@@ -73,10 +73,12 @@ def test_seed_example_sequential_dense_fit():
     assert colours[("0", "linear")] == colours[("2", "linear")] == "float16"
     assert colours[("3", "softmax")] == "float32"
 
-    history = mixprec.Model(fast, nn.MSELoss(), opt, metrics=["loss"]).fit(1, loader)
+    # On the CPU, the seed's reference platform (Model would pick a GPU where there is one).
+    history = mixprec.Model(fast, nn.MSELoss(), opt, metrics=["loss"], device="cpu").fit(1, loader)
     ref_history = mixprec.Model(
-        reference, nn.MSELoss(), torch.optim.SGD(reference.parameters(), lr=0.01), metrics=["loss"]
-    ).fit(1, loader)
+        reference, nn.MSELoss(), torch.optim.SGD(reference.parameters(), lr=0.01),
+        metrics=["loss"], device="cpu",
+    ).fit(1, loader)  # fmt: skip
     assert len(history.losses) == 32 and int(opt.iterations) == 32
     assert int(opt.skipped_steps) == 0
     # "the same accuracy reached in float32 is expected"

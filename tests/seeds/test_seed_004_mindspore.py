@@ -60,6 +60,16 @@ def create_dataset(num_data=1024, batch_size=32, repeat_size=1):
     return DataLoader(ConcatDataset([data] * repeat_size), batch_size=batch_size, drop_last=True)
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu(monkeypatch):
+    """The seed's examples run on the CPU, where they are bit-exact: a Model built without
+    a device would take a GPU where there is one (cuDNN's kernels are not bit-exact)."""
+    from mixprec.train import _loop
+
+    resolve = _loop.resolve_device
+    monkeypatch.setattr(_loop, "resolve_device", lambda d: resolve("cpu" if d is None else d))
+
+
 @pytest.fixture(scope="module")
 def ds_train():
     return create_dataset()

@@ -27,7 +27,8 @@ has float32's exponent range, so its gradients do not underflow: no level scales
 bfloat16 loss by default (each still skips a step whose gradients overflow, after a
 read-only check).
 
-O3 steps low-precision parameters directly, so Adam's moments are float16 too. An
+O3 (and O2 with ``master_weights=False``) steps low-precision parameters directly, so
+Adam's moments are float16 too. An
 ``eps`` below float16's smallest normal number (6.1e-05), like Adam's default 1e-8,
 rounds to (almost) zero there and the first applied step turns every weight NaN or inf.
 :func:`initialize` refuses that up front (``ValueError`` naming the group and ``eps``)
@@ -181,7 +182,7 @@ def _check_dtype(dtype: LowPrecision) -> torch.dtype:
     )
 
 
-def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int]) -> None:
+def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int], level: str) -> None:
     """Refuse an ``eps`` that float16 optimizer state cannot hold (see the module)."""
     floor = torch.finfo(torch.float16).tiny
     for i, group in enumerate(optimizer.param_groups):
@@ -191,7 +192,8 @@ def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int]) -> Non
         if any(id(p) in low for p in group["params"]):
             raise ValueError(
                 f"optimizer param group {i} has eps={eps:g}, below float16's smallest normal "
-                f"number {floor:.3g}: O3 keeps {type(optimizer).__name__}'s state in float16, "
+                f"number {floor:.3g}: {level} without float32 master weights keeps "
+                f"{type(optimizer).__name__}'s state in float16, "
                 "where it rounds to ~0 and the first applied step makes the weights NaN/inf; "
                 "pass eps>=1e-4, use bfloat16, or O2 (float32 masters and optimizer state)"
             )
@@ -367,8 +369,9 @@ def initialize(
                 "(all are outside the model or in float32 layers); build the optimizer from "
                 "model.parameters()"
             )
-    if optimizer is not None and level == "O3" and dtype == torch.float16:
-        _check_optimizer_eps(optimizer, low_params(model, plan))
+    # O3, and O2 without master weights, step float16 parameters: float16 optimizer state.
+    if optimizer is not None and dtype == torch.float16 and (level == "O3" or not masters):
+        _check_optimizer_eps(optimizer, low_params(model, plan), level)
     if fp8_recipe:
         from mixprec.float8 import convert_to_float8  # float8 loads only when asked for
 

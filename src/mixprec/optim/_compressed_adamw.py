@@ -628,7 +628,7 @@ class AdamW8bit(torch.optim.Optimizer):
         self._generators = {}
         for key, value in rng.items():
             self._generators[key] = torch.Generator(device=key)
-            self._generators[key].set_state(value)
+            self._generators[key].set_state(value.cpu())  # map_location may have moved it
         for i, entry in state_dict["state"].items():
             state = self.state[ids[i]]
             # torch casts floating-point parameters' state to their dtype: codes included,

@@ -456,4 +456,4 @@ class LeanUpdates:
             for s, c in zip(comp, self.compensation):
                 c.copy_(s)
         for key, g in self._generators.items():
-            g.set_state(gens[key])
+            g.set_state(gens[key].cpu())  # a state map_location moved to a GPU

@@ -260,7 +260,11 @@ class Model:
         return torch.as_tensor(x).to(self.device), torch.as_tensor(y).to(self.device)
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, float32 loss, scaled backward, step (or skip). Returns (loss, logits)."""
+        """Forward, float32 loss, scaled backward, step (or skip). Returns (loss, logits).
+
+        ``x`` and ``y`` go to the Model's device first, as in :meth:`predict` and the loops.
+        """
+        x, y = self._to_device((x, y))
         opt = self.optimizer
         out = self.network(x)
         loss = self.loss_fn(out.float(), y)
