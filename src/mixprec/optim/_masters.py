@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from mixprec._checks import LOW_PRECISION, check_choice
-from mixprec.numerics import is_dtensor, is_flat_shard, local_shards
+from mixprec.numerics import _dtensor_type, is_dtensor, is_flat_shard, local_shards
 from mixprec.optim._flat_params import FlatParameters
 from mixprec.optim._lean import LeanUpdates, stochastic_round
 
@@ -52,10 +52,14 @@ __all__ = [
 ]
 
 
-def _written(p: torch.Tensor) -> tuple[int, int]:
-    """What changes when ``p`` is written: its version (in-place writes) and, for a plain
-    tensor, where its data starts (``p.data = ...`` keeps the version but moves that)."""
-    return p._version, 0 if is_dtensor(p) else p.data_ptr()
+def _written(params: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """What changes when each of ``params`` is written: its version (in-place writes) and,
+    for a plain tensor, where its data starts (``p.data = ...`` keeps the version but
+    moves that). Runs on every parameter twice a step: the DTensor type is looked up once."""
+    dtensor = _dtensor_type()
+    if dtensor is None:
+        return [(p._version, p.data_ptr()) for p in params]
+    return [(p._version, 0 if isinstance(p, dtensor) else p.data_ptr()) for p in params]
 
 
 class MasterWeights:
@@ -154,7 +158,8 @@ class MasterWeights:
     #   stepped. The step (or zero_grad) gives the parameters their storage back.
 
     def _mark_model_current(self) -> None:
-        self._versions = {id(p): _written(p) for p, _ in self._low}
+        params = [p for p, _ in self._low]
+        self._versions = dict(zip(map(id, params), _written(params)))
 
     def adopt_model_edits(self) -> None:
         """Masters of model parameters written since the last copy (in place, or given new
@@ -163,7 +168,8 @@ class MasterWeights:
         Elements whose low-precision value still equals the rounded master keep the
         master's extra bits, so re-loading the model's own checkpoint changes nothing.
         """
-        changed = [(p, m) for p, m in self._low if _written(p) != self._versions.get(id(p))]
+        now = _written([p for p, _ in self._low])
+        changed = [(p, m) for (p, m), w in zip(self._low, now) if w != self._versions.get(id(p))]
         if not changed:
             return
         with torch.no_grad():
@@ -201,6 +207,8 @@ class MasterWeights:
         the masters step with the edited gradients."""
         shown, self._shown = self._shown, []
         written, self._written = self._written, []
+        if not shown and not written:  # nothing shown since the last step: nothing to give back
+            return
         with torch.no_grad():
             for p, m, grad, version in written:  # sharded: take edits of the gradient back
                 if p.grad is not grad or grad._version != version:
@@ -237,19 +245,21 @@ class MasterWeights:
         masters (:meth:`adopt_model_edits`).
         """
         self.adopt_model_edits()
+        dtensor = _dtensor_type()  # once, not per parameter: this loop runs every step
         with torch.no_grad():
             for models, masters in self._grouped():
                 src, dst, missing = [], [], []
                 for p, m in zip(models, masters):
-                    if p.grad is None:
+                    grad, master_grad = p.grad, m.grad
+                    if grad is None:
                         m.grad = None
-                    elif m.grad is not None and m.grad.shape == p.grad.shape:
-                        src.append(p.grad)
-                        dst.append(m.grad)
-                    elif is_dtensor(p.grad):
-                        m.grad = p.grad.float()
+                    elif master_grad is not None and master_grad.shape == grad.shape:
+                        src.append(grad)
+                        dst.append(master_grad)
+                    elif dtensor is not None and isinstance(grad, dtensor):
+                        m.grad = grad.float()
                     else:
-                        missing.append((p.grad, m))
+                        missing.append((grad, m))
                 if missing:
                     sizes = [m.numel() for _, m in missing]
                     flat = torch.empty(sum(sizes), dtype=torch.float32, device=missing[0][1].device)
