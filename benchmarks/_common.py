@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,7 @@ __all__ = [
     "low_dtypes",
     "load_average",
     "jsonable",
+    "recorded_command",
 ]
 
 
@@ -381,6 +383,17 @@ def run_child(module: str, args: Sequence[str], timeout: float = 600.0) -> dict[
             f"python -m {module} {' '.join(args)} failed ({proc.returncode}):\n{tail}"
         )
     return json.loads(lines[-1])
+
+
+def recorded_command(module: str, argv: list[str]) -> str:
+    """``python -m module ARGS`` with the ``--out`` folder written ``$OUT``: where results
+    went is the machine's business, not the report's.
+
+    >>> recorded_command("benchmarks.gpu", ["--out", "/tmp/x", "--size", "smoke"])
+    'python -m benchmarks.gpu --out $OUT --size smoke'
+    """
+    shown = ["$OUT" if i and argv[i - 1] == "--out" else arg for i, arg in enumerate(argv)]
+    return " ".join([f"python -m {module}", *(a if a == "$OUT" else shlex.quote(a) for a in shown)])
 
 
 def jsonable(value: Any) -> Any:

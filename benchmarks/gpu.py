@@ -47,7 +47,6 @@ import dataclasses
 import datetime
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -58,7 +57,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import environment, jsonable
+from benchmarks._common import environment, jsonable, recorded_command
 from benchmarks.gpu_checks import host_sync_check, kernel_profile
 from benchmarks.gpu_measure import (
     SIZES,
@@ -344,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     env.update(_gpu_details() if cuda else {})
     doc: dict[str, Any] = {
         "schema": 1,
-        "command": "python -m benchmarks.gpu " + shlex.join(raw),
+        "command": recorded_command("benchmarks.gpu", raw),
         "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": args.device,
         "device_name": torch.cuda.get_device_name() if cuda else env["cpu_model"],

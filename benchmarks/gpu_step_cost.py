@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import environment, jsonable
+from benchmarks._common import environment, jsonable, recorded_command
 from benchmarks.gpu_measure import free_memory, one_line, timed_calls
 from benchmarks.step_cost import VARIANTS, Workload, count_step, prepare, transformer_workload
 
@@ -260,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     limits = "cuda13" if args.cuda13 else "cuda12"
     workload = transformer_workload(not args.small, args.batch)
     doc: dict[str, Any] = {
-        "command": "python -m benchmarks.gpu_step_cost " + " ".join(sys.argv[1:] if argv is None
-                                                                   else argv),  # fmt: skip
+        "command": recorded_command("benchmarks.gpu_step_cost",
+                                    sys.argv[1:] if argv is None else list(argv)),
         "environment": environment(),
         "device": args.device,
         "workload": workload.name,
