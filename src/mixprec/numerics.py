@@ -33,21 +33,23 @@ __all__ = [
     "unscale_and_check_",
     "any_nonfinite",
     "global_norm",
+    "dtensor_type",
     "is_dtensor",
     "local_shards",
     "is_flat_shard",
 ]
 
 
-def _dtensor_type() -> type | None:
-    # Only imported once something else has: no DTensor can exist before that.
+def dtensor_type() -> type | None:
+    """``DTensor``, or None before anything imported it (no DTensor can exist then); for
+    loops over every parameter that test each one, so the lookup happens once."""
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
 
 
 def is_dtensor(tensor: Any) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is a DTensor (an FSDP2 parameter or gradient)."""
-    cls = _dtensor_type()
+    cls = dtensor_type()
     return cls is not None and isinstance(tensor, cls)
 
 
@@ -58,7 +60,7 @@ def local_shards(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     master or moving average): ``torch._foreach_copy_`` on the shards is the same copy,
     fused, where torch has no DTensor rule for it.
     """
-    cls = _dtensor_type()  # looked up once: this runs on every parameter at every step
+    cls = dtensor_type()  # looked up once: this runs on every parameter at every step
     if cls is None:
         return list(tensors)
     return [cast("DTensor", t).to_local() if isinstance(t, cls) else t for t in tensors]

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 
 from mixprec._checks import LOW_PRECISION, check_choice
-from mixprec.numerics import _dtensor_type, is_dtensor, is_flat_shard, local_shards
+from mixprec.numerics import dtensor_type, is_dtensor, is_flat_shard, local_shards
 from mixprec.optim._flat_params import FlatParameters
 from mixprec.optim._lean import LeanUpdates, stochastic_round
 
@@ -56,7 +56,7 @@ def _written(params: list[torch.Tensor]) -> list[tuple[int, int]]:
     """What changes when each of ``params`` is written: its version (in-place writes) and,
     for a plain tensor, where its data starts (``p.data = ...`` keeps the version but
     moves that). Runs on every parameter twice a step: the DTensor type is looked up once."""
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     if dtensor is None:
         return [(p._version, p.data_ptr()) for p in params]
     return [(p._version, 0 if isinstance(p, dtensor) else p.data_ptr()) for p in params]
@@ -245,7 +245,7 @@ class MasterWeights:
         masters (:meth:`adopt_model_edits`).
         """
         self.adopt_model_edits()
-        dtensor = _dtensor_type()  # once, not per parameter: this loop runs every step
+        dtensor = dtensor_type()  # once, not per parameter: this loop runs every step
         with torch.no_grad():
             for models, masters in self._grouped():
                 src, dst, missing = [], [], []
