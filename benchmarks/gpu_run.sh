@@ -12,11 +12,13 @@
 #             there, TESTS_S seconds at most, default 300)
 #   stepcost  python -m benchmarks.gpu_step_cost: the launch and byte estimates against
 #             the profiler's kernels
+#   hostprof  python -m benchmarks.gpu_host_profile: where each recipe's host time goes
+#             (HOSTPROF_ONLY: its --only)
 #   bench     python -m benchmarks.gpu --peers $BENCH_FLAGS, within BUDGET_S seconds
 #             (default: what TOTAL_S, default 560, leaves, at most 480); BENCH_ONLY: the
 #             benchmark's --only (comma-separated recipe labels)
 # Writes under $OUT: install.log, versions.log, tests.log, stepcost.log, bench.log,
-# gpu_step_cost.{json,md}, gpu_results.{json,md}. SIZE=smoke is a quick dry run.
+# gpu_step_cost.{json,md}, gpu_host_profile.{json,md}, gpu_results.{json,md}. SIZE=smoke is a quick dry run.
 
 set -u -o pipefail
 : "${OUT:?set OUT to the folder for the logs and results}"
@@ -95,6 +97,18 @@ if has_stage stepcost; then
     STEPCOST_RC=$?
 fi
 
+HOSTPROF_RC=-
+if has_stage hostprof; then
+    echo "== host profile (log: $OUT/hostprof.log) at $(elapsed) s"
+    ONLY=()
+    [ -n "${HOSTPROF_ONLY:-}" ] && ONLY=(--only "$HOSTPROF_ONLY")
+    SMALL=()
+    [ "$SIZE" = smoke ] && SMALL=(--size smoke)
+    timeout -k 10 "${HOSTPROF_S:-240}" python3 -m benchmarks.gpu_host_profile --out "$OUT" \
+        "${SMALL[@]}" "${ONLY[@]}" 2>&1 | tee "$OUT/hostprof.log" | grep -E "^###|host profile:"
+    HOSTPROF_RC=$?
+fi
+
 BENCH_RC=-
 if has_stage bench; then
     if [ -n "${BUDGET_S:-}" ]; then
@@ -115,5 +129,5 @@ if has_stage bench; then
 fi
 
 echo "== done at $(elapsed) s: tests exit $TESTS_RC, step-cost exit $STEPCOST_RC," \
-    "benchmark exit $BENCH_RC"
+    "host profile exit $HOSTPROF_RC, benchmark exit $BENCH_RC"
 ls -l "$OUT"
