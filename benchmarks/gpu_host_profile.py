@@ -16,7 +16,12 @@ For each recipe of :mod:`benchmarks.gpu` (``--only`` picks labels, compiled ones
   count and host ms per step; a synchronising call in a step that should have none
   names the culprit;
 * ``gpu_busy_ms`` (CUDA): the union of the kernels' intervals per step, so
-  ``step_ms - gpu_busy_ms`` is the time the GPU waited for the host.
+  ``step_ms - gpu_busy_ms`` is the time the GPU waited for the host;
+* ``idle`` (CUDA, ``--stacks``): what the host ran while the GPU waited. Each gap
+  between kernels runs from the end of one to the launch of the next; the Python
+  functions the profiler saw in that span (``with_stack``) share it, each by its own
+  time (``self_ms``) and by its time with its callees (``cumulative_ms``, mixprec's
+  functions only), per step.
 
 Writes ``DIR/gpu_host_profile.json`` and ``.md`` and prints the Markdown.
 """
@@ -24,12 +29,15 @@ Writes ``DIR/gpu_host_profile.json`` and ``.md`` and prints the Markdown.
 from __future__ import annotations
 
 import argparse
+import bisect
 import cProfile
+import itertools
 import json
 import os
 import pstats
 import statistics
 import sys
+import tempfile
 from typing import Any
 
 import torch
@@ -93,7 +101,85 @@ def _runtime_profile(step: Any, steps: int) -> dict[str, Any]:
     return {"gpu_busy_ms": busy / 1e3 / steps, "runtime": runtime}
 
 
-def profile_job(job: Job, work: Workload, steps: int, top: int = 15) -> dict[str, Any]:
+def idle_attribution(trace: dict[str, Any], steps: int, top: int = 15) -> dict[str, Any]:
+    """Python time in the GPU's idle gaps, from a Chrome trace of ``steps`` steps."""
+    events = trace["traceEvents"]
+    on_gpu = sorted(
+        (e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"))
+        for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )  # fmt: skip
+    launched = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}  # fmt: skip
+    spans = []  # host spans the GPU waited through: a kernel's end to the next one's launch
+    reach = on_gpu[0][1] if on_gpu else 0.0
+    for start, end, correlation in on_gpu[1:]:
+        launch = launched.get(correlation)
+        if start > reach and launch is not None and launch > reach:
+            spans.append((reach, min(launch, start)))
+        reach = max(reach, end)
+    python = [e for e in events if e.get("cat") == "python_function"]
+    children: dict[Any, list[dict[str, Any]]] = {}
+    for e in python:
+        children.setdefault(e["args"].get("Python parent id"), []).append(e)
+
+    starts = [a for a, _ in spans]
+    before = list(itertools.accumulate((b - a for a, b in spans), initial=0.0))
+
+    def covered(t: float) -> float:  # the spans' length before time t
+        i = bisect.bisect_right(starts, t) - 1
+        return 0.0 if i < 0 else before[i] + min(t, spans[i][1]) - spans[i][0]
+
+    def overlap(e: dict[str, Any]) -> float:
+        return covered(e["ts"] + e["dur"]) - covered(e["ts"])
+
+    own: dict[str, float] = {}
+    cumulative: dict[str, float] = {}
+    for e in python:
+        total = overlap(e)
+        if not total:
+            continue
+        inner = sum(overlap(c) for c in children.get(e["args"].get("Python id"), ()))
+        own[e["name"]] = own.get(e["name"], 0.0) + total - inner
+        if "mixprec" in e["name"]:
+            cumulative[e["name"]] = cumulative.get(e["name"], 0.0) + total
+
+    def ranked(table: dict[str, float], key: str) -> list[dict[str, Any]]:
+        rows = sorted(table.items(), key=lambda item: -item[1])[:top]
+        return [{"function": _short(name), key: us / 1e3 / steps} for name, us in rows]
+
+    return {
+        "gaps_per_step": len(spans) / steps,
+        "idle_ms": sum(b - a for a, b in spans) / 1e3 / steps,
+        "self": ranked(own, "self_ms"),
+        "mixprec_cumulative": ranked(cumulative, "cumulative_ms"),
+    }
+
+
+def _short(name: str) -> str:
+    """``.../site-packages/torch/nn/modules/module.py(1795): inner`` -> ``torch/nn/modules/...``."""
+    for root in ("site-packages/", "src/"):
+        if root in name:
+            return name.split(root, 1)[1]
+    return name
+
+
+def _stack_trace(step: Any, steps: int) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+
+
+def profile_job(job: Job, work: Workload, steps: int, top: int = 15,
+                stacks: bool = False) -> dict[str, Any]:  # fmt: skip
     """One recipe: median step, then its Python and (CUDA) runtime profiles."""
     recipe = build_recipe(job.recipe, work.model, work.x, work.device, job.dtype,
                           compile_model=job.compiled)  # fmt: skip
@@ -110,17 +196,26 @@ def profile_job(job: Job, work: Workload, steps: int, top: int = 15) -> dict[str
     }
     if work.device == "cuda":
         row.update(_runtime_profile(step, steps))
+        if stacks:
+            row["idle"] = idle_attribution(_stack_trace(step, steps), steps, top)
     return row
 
 
 def render(doc: dict[str, Any]) -> str:
-    lines = [f"Host profile, {doc['device']}, batch {doc['batch']}; command: `{doc['command']}`", ""]
+    lines = [
+        f"Host profile, {doc['device']}, batch {doc['batch']}; command: `{doc['command']}`",
+        "",
+    ]
     for row in doc["rows"]:
         if "error" in row:
             lines += [f"### {row['label']}: {row['error']}", ""]
             continue
         busy = row.get("gpu_busy_ms")
-        idle = "" if busy is None else f", GPU busy {busy:.2f} ms ({row['step_ms'] - busy:.2f} ms idle)"
+        idle = (
+            ""
+            if busy is None
+            else f", GPU busy {busy:.2f} ms ({row['step_ms'] - busy:.2f} ms idle)"
+        )
         lines += [f"### {row['label']}: {row['step_ms']:.2f} ms a step{idle}, "
                   f"{row['python']['calls_per_step']:.0f} Python calls a step", "",
                   "| function | calls/step | own ms/step | cumulative ms/step |",
@@ -132,6 +227,15 @@ def render(doc: dict[str, Any]) -> str:
             lines += ["", "| CUDA runtime call | per step | host ms/step |", "|---|--:|--:|"]
             lines += [f"| `{r['call']}` | {r['per_step']:.0f} | {r['host_ms']:.3f} |"
                       for r in row["runtime"][:10]]  # fmt: skip
+        if "idle" in row:
+            idle_rows = row["idle"]
+            lines += ["", f"GPU idle: {idle_rows['idle_ms']:.2f} ms a step in "
+                      f"{idle_rows['gaps_per_step']:.0f} gaps; the host meanwhile:", "",
+                      "| Python function (own time in the gaps) | ms/step |", "|---|--:|"]  # fmt: skip
+            lines += [f"| `{r['function']}` | {r['self_ms']:.3f} |" for r in idle_rows["self"]]
+            lines += ["", "| mixprec function (with callees, in the gaps) | ms/step |", "|---|--:|"]
+            lines += [f"| `{r['function']}` | {r['cumulative_ms']:.3f} |"
+                      for r in idle_rows["mixprec_cumulative"]]  # fmt: skip
         lines.append("")
     return "\n".join(lines)
 
@@ -144,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--stacks",
+        action="store_true",
+        help="CUDA: attribute the GPU's idle time to Python functions",
+    )
     args = parser.parse_args(argv)
     try:
         jobs = select_jobs(plan_jobs(compile_too=True), args.only)
@@ -160,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         print(f"host profile: {job.label}", file=sys.stderr, flush=True)
         try:
-            doc["rows"].append(profile_job(job, work, args.steps))
+            doc["rows"].append(profile_job(job, work, args.steps, stacks=args.stacks))
         except Exception as err:  # a recipe that cannot run is reported, the rest go on
             doc["rows"].append({"label": job.label, "error": one_line(err)})
         free_memory(args.device)

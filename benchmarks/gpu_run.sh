@@ -13,7 +13,7 @@
 #   stepcost  python -m benchmarks.gpu_step_cost: the launch and byte estimates against
 #             the profiler's kernels
 #   hostprof  python -m benchmarks.gpu_host_profile: where each recipe's host time goes
-#             (HOSTPROF_ONLY: its --only)
+#             (HOSTPROF_ONLY: its --only; HOSTPROF_FLAGS: more flags, e.g. --stacks)
 #   bench     python -m benchmarks.gpu --peers $BENCH_FLAGS, within BUDGET_S seconds
 #             (default: what TOTAL_S, default 560, leaves, at most 480); BENCH_ONLY: the
 #             benchmark's --only (comma-separated recipe labels)
@@ -104,8 +104,9 @@ if has_stage hostprof; then
     [ -n "${HOSTPROF_ONLY:-}" ] && ONLY=(--only "$HOSTPROF_ONLY")
     SMALL=()
     [ "$SIZE" = smoke ] && SMALL=(--size smoke)
+    # shellcheck disable=SC2086  # HOSTPROF_FLAGS is a list of flags
     timeout -k 10 "${HOSTPROF_S:-240}" python3 -m benchmarks.gpu_host_profile --out "$OUT" \
-        "${SMALL[@]}" "${ONLY[@]}" 2>&1 | tee "$OUT/hostprof.log" | grep -E "^###|host profile:"
+        "${SMALL[@]}" "${ONLY[@]}" ${HOSTPROF_FLAGS:-} 2>&1 | tee "$OUT/hostprof.log" | grep -E "^###|host profile:"
     HOSTPROF_RC=$?
 fi
 

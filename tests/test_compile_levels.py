@@ -224,3 +224,36 @@ def test_rewrite_compiles_without_breaks_and_equals_eager(mode):
     eager_graph = copy.deepcopy(graph)
     compiled = torch.compile(lambda t: graph(t), backend="aot_eager")
     torch.testing.assert_close(compiled(x), eager_graph(x), rtol=1e-2, atol=1e-3)
+
+
+def test_o1_code_dynamo_skips_runs_under_autocast_when_compiled():
+    """Code Dynamo does not trace (here a ``torch._dynamo.disable`` function, as a graph
+    break would leave) runs between compiled graphs inside O1's region: its matmul must
+    run in bfloat16 as eager O1's does, and the region must end with the forward."""
+
+    @torch._dynamo.disable
+    def untraced(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(h, w)
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(4, 4)
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = untraced(self.inp(x), self.w)
+            return h.float() * 2
+
+    torch.manual_seed(0)
+    eager, _ = amp.initialize(Broken(), level="O1", dtype=torch.bfloat16)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager")
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x), eager(x), rtol=0, atol=0)
+    with torch.no_grad():  # outside the forward: no autocast left behind
+        assert untraced(compiled_model.inp(x), compiled_model.w).dtype == torch.float32
+    assert not torch.is_autocast_enabled("cpu")
+    exact = (torch.matmul(eager.inp(x), eager.w) * 2).float()
+    assert (compiled(x) != exact).any()  # the untraced matmul did run in bfloat16
