@@ -287,12 +287,38 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     >>> q, k = cast_floating((x, x), torch.bfloat16); q is k
     True
     """
+    if _nothing_to_cast(tree, dtype):
+        return tree
     return _cast_tree(tree, dtype, {})
 
 
 #: Leaves that are never cast, checked by exact type first: every module call passes
 #: through here, and the Mapping check below is slow for them.
 _PLAIN_LEAVES = frozenset({type(None), bool, int, float, str})
+
+
+def _nothing_to_cast(tree: Any, dtype: torch.dtype) -> bool:
+    """True when ``tree`` certainly holds no floating tensor of another dtype: the usual
+    case of every hook call (a module's arguments already in its dtype), answered in one
+    loop, with no calls per item. Plain tuples, lists and dicts are looked into; any
+    other container answers False, and :func:`_cast_tree` looks (and copies nothing
+    when nothing needs a cast)."""
+    pending = [tree]
+    while pending:
+        item = pending.pop()
+        kind = type(item)
+        if kind in _PLAIN_LEAVES:
+            continue
+        if isinstance(item, torch.Tensor):
+            if item.dtype != dtype and item.is_floating_point():
+                return False
+        elif kind is tuple or kind is list:
+            pending.extend(item)
+        elif kind is dict:
+            pending.extend(item.values())
+        else:
+            return False
+    return True
 
 
 def _cast_tree(tree: Any, dtype: torch.dtype, done: dict[int, torch.Tensor]) -> Any:

@@ -663,13 +663,21 @@ class ModuleAmp:
         if active is not None:  # nested call: the casts are in place already
             active[0] += 1
             return
-        active = self._active[id(module)] = [1, None]
-        if not self.shadow_params:
+        if not self.shadow_params:  # kept as stored: nothing to do, nothing to undo
             return
         dtype, attrs = self.compute_dtype, module.__dict__
-        for name, param in module._parameters.items():
-            if param is not None and param.is_floating_point() and param.dtype != dtype:
-                attrs[name] = self._cache.get(name, param, dtype)
+        stale = [
+            (name, param)
+            for name, param in module._parameters.items()
+            if param is not None and param.dtype != dtype and param.is_floating_point()
+        ]
+        if not stale:
+            # Nothing to shadow (the weights are stored in the compute dtype, as at
+            # O2/O3): no bookkeeping either, and _unshadow finds none to undo.
+            return
+        active = self._active[id(module)] = [1, None]
+        for name, param in stale:
+            attrs[name] = self._cache.get(name, param, dtype)
         if "_flat_weights" in attrs and hasattr(module, "_flat_weights_names"):
             # nn.RNN/LSTM/GRU read a list of their weights, not the attributes.
             saved = active[1] = attrs["_flat_weights"]
