@@ -160,6 +160,8 @@ def _short(name: str) -> str:
     for root in ("site-packages/", "src/"):
         if root in name:
             return name.split(root, 1)[1]
+    if "torchinductor" in name:  # generated code in inductor's cache folder
+        return "<inductor cache>/" + name.rsplit("/", 1)[-1]
     return name
 
 

@@ -267,3 +267,52 @@ def test_targets_compare_each_mixprec_recipe_with_torch_of_the_same_precision_an
     assert best == (False, "compile(O2 bf16): 0.941x")
     assert got["MFU >= 50% of the measured bf16 matmul rate (aim)"] == (True, "O2 bf16: 55.0%")
     assert not any("compile(O1" in t for t in got)  # a failed recipe has no target row
+
+
+def test_host_profile_runs_on_a_cpu_and_names_the_hot_functions(tmp_path):
+    """``benchmarks.gpu_host_profile`` at the smoke size: a row per recipe with a step
+    time and the Python functions by own time; the CUDA-only columns stay out."""
+    from benchmarks import gpu_host_profile
+
+    assert gpu_host_profile.main(["--out", str(tmp_path), "--device", "cpu", "--size", "smoke",
+                                  "--steps", "1", "--only", "O2 bf16"]) == 0  # fmt: skip
+    doc = json.loads((tmp_path / "gpu_host_profile.json").read_text(encoding="utf-8"))
+    (row,) = doc["rows"]
+    assert row["label"] == "O2 bf16" and row["step_ms"] > 0
+    assert row["python"]["calls_per_step"] > 100
+    top = row["python"]["top"]
+    assert top and all(fn["own_ms"] >= 0 and fn["calls"] > 0 for fn in top)
+    assert top == sorted(top, key=lambda fn: -fn["own_ms"])
+    assert "gpu_busy_ms" not in row and "idle" not in row
+    assert "### O2 bf16" in (tmp_path / "gpu_host_profile.md").read_text(encoding="utf-8")
+
+
+def test_idle_attribution_shares_each_gap_by_own_time():
+    """A gap runs from one kernel's end to the next one's launch; the Python functions
+    in it share it by own time (a callee's time is not its caller's), mixprec's also
+    by time with callees."""
+    from benchmarks.gpu_host_profile import idle_attribution
+
+    def call(name, ts, dur, ident, parent):
+        return {"cat": "python_function", "name": name, "ts": ts, "dur": dur,
+                "args": {"Python id": ident, "Python parent id": parent}}  # fmt: skip
+
+    events = [
+        {"cat": "kernel", "ts": 0, "dur": 10, "args": {"correlation": 1}},
+        {"cat": "kernel", "ts": 30, "dur": 10, "args": {"correlation": 2}},
+        {"cat": "kernel", "ts": 50, "dur": 10, "args": {"correlation": 3}},
+        {"cat": "cuda_runtime", "ts": 1, "dur": 1, "args": {"correlation": 1}},
+        {"cat": "cuda_runtime", "ts": 25, "dur": 1, "args": {"correlation": 2}},
+        {"cat": "cuda_runtime", "ts": 45, "dur": 1, "args": {"correlation": 3}},
+        call("src/mixprec/optim/_masters.py(1): step", 5, 40, 1, 0),
+        call("site-packages/torch/x.py(2): inner", 12, 8, 2, 1),
+    ]
+    out = idle_attribution({"traceEvents": events}, steps=1)
+    # Gaps: 10-25 (the second kernel launched at 25) and 40-45: 20 us.
+    assert out["gaps_per_step"] == 2 and out["idle_ms"] == pytest.approx(0.020)
+    own = {row["function"]: row["self_ms"] for row in out["self"]}
+    assert own == pytest.approx({"mixprec/optim/_masters.py(1): step": 0.012,
+                                 "torch/x.py(2): inner": 0.008})  # fmt: skip
+    assert out["mixprec_cumulative"] == [
+        {"function": "mixprec/optim/_masters.py(1): step", "cumulative_ms": pytest.approx(0.020)}
+    ]
