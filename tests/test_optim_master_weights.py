@@ -359,3 +359,39 @@ def test_memory_of_parameters_and_adam_state_with_and_without_masters(capsys):
     assert results["bf16 params + fp32 masters"] == (2 * numel, 4 * numel, 8 * numel + step_bytes)
     assert sum(results["fp32 params"]) == 120_016_880
     assert sum(results["bf16 params + fp32 masters"]) == 140_019_692
+
+
+def _o2_run(reuse: bool, steps: int = 4, freeze_head_at: int = 2):
+    """O2 bfloat16 training of a small MLP; the head's gradient is missing at one step."""
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                level="O2", dtype=torch.bfloat16)  # fmt: skip
+    opt._master.reuses_gradient_views = reuse
+    g = torch.Generator().manual_seed(1)
+    freed = []
+    for step in range(steps):
+        x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        opt.scale_loss(loss).backward()
+        if step == freeze_head_at:
+            model[2].weight.grad = None  # a parameter without a gradient this step
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(m.grad is None for m in opt._master.masters)
+        freed.append([flat.untyped_storage().nbytes() for _, flat, _ in opt._master._grad_views.values()])
+    return [p.detach().clone() for p in model.parameters()], freed
+
+
+def test_master_gradient_views_kept_between_steps_change_nothing_and_hold_no_memory():
+    """The masters' gradients are views of one buffer kept from step to step: training
+    is bit-identical to fresh views every step, including a step where a parameter has
+    no gradient, and zero_grad leaves the buffer's storage freed (nothing held between
+    steps)."""
+    kept, freed = _o2_run(reuse=True)
+    fresh, none_kept = _o2_run(reuse=False)
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh))
+    assert none_kept == [[]] * 4
+    assert freed and all(sizes and all(n == 0 for n in sizes) for sizes in freed)

@@ -126,6 +126,11 @@ class MasterWeights:
         self._shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]] = []
         # ... and sharded ones: (param, master, the gradient written, its version).
         self._written: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+        # Per group: the masters' gradients as views of one float32 buffer, kept from step
+        # to step (key: the masters, shapes and devices they were made for). zero_grad
+        # frees the buffer's storage and the next step grows it back under the same
+        # views: one allocation a step, not one view per parameter (host time).
+        self._grad_views: dict[int, tuple[tuple, torch.Tensor, list[torch.Tensor]]] = {}
         self._mark_model_current()
 
     def add_param_group(self, group: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +252,7 @@ class MasterWeights:
         self.adopt_model_edits()
         dtensor = dtensor_type()  # once, not per parameter: this loop runs every step
         with torch.no_grad():
-            for models, masters in self._grouped():
+            for index, (models, masters) in enumerate(self._grouped()):
                 src, dst, missing = [], [], []
                 for p, m in zip(models, masters):
                     grad, master_grad = p.grad, m.grad
@@ -261,14 +266,44 @@ class MasterWeights:
                     else:
                         missing.append((grad, m))
                 if missing:
-                    sizes = [m.numel() for _, m in missing]
-                    flat = torch.empty(sum(sizes), dtype=torch.float32, device=missing[0][1].device)
-                    for (grad, m), view in zip(missing, flat.split(sizes)):
-                        m.grad = view.view_as(m)
+                    views = self._gradient_views(index, [m for _, m in missing])
+                    for (grad, m), view in zip(missing, views):
+                        m.grad = view
                         src.append(grad)
-                        dst.append(m.grad)
+                        dst.append(view)
                 if dst:
                     torch._foreach_copy_(local_shards(dst), local_shards(src))
+
+    def _gradient_views(self, index: int, masters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Float32 gradients for ``masters`` (group ``index``), views of one buffer: the
+        views of the last step when they were made for the same masters (its storage
+        grown back if zero_grad freed it), else new ones."""
+        key = tuple((id(m), m.shape, m.device) for m in masters)
+        cached = self._grad_views.get(index)
+        if cached is not None and cached[0] == key:
+            flat, views = cached[1], cached[2]
+            storage = flat.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(flat.numel() * flat.element_size())
+            return views
+        sizes = [m.numel() for m in masters]
+        flat = torch.empty(sum(sizes), dtype=torch.float32, device=masters[0].device)
+        views = [view.view_as(m) for view, m in zip(flat.split(sizes), masters)]
+        if self.reuses_gradient_views:
+            self._grad_views[index] = (key, flat, views)
+        return views
+
+    #: Whether master gradients keep their views between steps (see ``_grad_views``).
+    reuses_gradient_views = True
+
+    def _free_gradient_views(self) -> None:
+        """Drop the masters' gradients that are kept views and free their storage."""
+        for _, flat, views in self._grad_views.values():
+            kept = set(map(id, views))
+            for m in self.masters:
+                if id(m.grad) in kept:
+                    m.grad = None
+            flat.untyped_storage().resize_(0)
 
     def masters_to_model(self) -> None:
         """Copy the masters back into the model's low-precision parameters (fused)."""
@@ -288,6 +323,8 @@ class MasterWeights:
                 p.grad = None
             else:
                 p.grad.detach_().requires_grad_(False).zero_()
+        if set_to_none:
+            self._free_gradient_views()
 
     def state_dict(self) -> dict[str, Any]:
         self.adopt_model_edits()
@@ -408,6 +445,10 @@ class SplitMasterWeights(MasterWeights):
                     f"is the master rounded), got a {'DTensor' if is_dtensor(p) else p.dtype} "
                     "one; use master_weights='fp32' for float16 or sharded parameters"
                 )
+
+    # The step ends by dropping the masters' gradients with the masters (_release): a
+    # buffer kept for the next step would hold 4 bytes per parameter between steps.
+    reuses_gradient_views = False
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.check(optimizer)
