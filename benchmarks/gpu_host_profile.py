@@ -86,7 +86,7 @@ def _runtime_profile(step: Any, steps: int) -> dict[str, Any]:
                 event, "is_user_annotation", False
             ):
                 intervals.append((event.time_range.start, event.time_range.end))
-        elif event.name.startswith("cuda") or event.name.startswith("cu"):
+        elif event.name.startswith("cu"):  # cudaLaunchKernel, cuLaunchKernelEx, ...
             calls.setdefault(event.name, []).append(event.time_range.elapsed_us() / 1e3)
     busy, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):

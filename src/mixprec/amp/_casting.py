@@ -171,7 +171,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec._checks import check_instance
-from mixprec.policy import Policy, PolicyLike, cast_floating, global_policy
+from mixprec.policy import Policy, PolicyLike, _nothing_to_cast, cast_floating, global_policy
 
 __all__ = [
     "set_policy",
@@ -506,7 +506,7 @@ class _FunctionCastMode(TorchFunctionMode):
         if lists.keep_outputs:
             if torch.compiler.is_compiling():
                 args, kwargs = cast_tree((args, kwargs), target)
-            elif _needs_cast((args, kwargs), target):  # usually not: the region cast them
+            elif not _nothing_to_cast((args, kwargs), target):  # usually: the region cast them
                 args, kwargs = self.cache.cast_args((args, kwargs), target)
             return func(*args, **kwargs)
         region = stack[-1]
@@ -517,17 +517,6 @@ class _FunctionCastMode(TorchFunctionMode):
             return cast_tree(func(*args, **kwargs), region)
         args, kwargs = self.cache.cast_args((args, kwargs), target)
         return cast_floating(func(*args, **kwargs), region)
-
-
-def _needs_cast(tree: Any, dtype: torch.dtype) -> bool:
-    """Whether ``tree`` holds a floating tensor of another dtype (no copies made)."""
-    if isinstance(tree, torch.Tensor):
-        return tree.is_floating_point() and tree.dtype != dtype
-    if isinstance(tree, (list, tuple)):
-        return any(_needs_cast(item, dtype) for item in tree)
-    if isinstance(tree, dict):
-        return any(_needs_cast(item, dtype) for item in tree.values())
-    return False
 
 
 class _AutocastMode(TorchFunctionMode):
@@ -554,11 +543,9 @@ class _AutocastMode(TorchFunctionMode):
         # step) and any code between graphs. Autocast's state is set directly: building
         # a torch.autocast checks the device and the dtype on every call, tens of
         # microseconds each on a CUDA host, which left the GPU idle half the step.
-        if torch.is_autocast_enabled(device) == enabled and (
-            not enabled or torch.get_autocast_dtype(device) == dtype
-        ):
-            return func(*args, **kwargs)
         was_enabled, was_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+        if was_enabled == enabled and (not enabled or was_dtype == dtype):
+            return func(*args, **kwargs)
         torch.set_autocast_enabled(device, enabled)
         torch.set_autocast_dtype(device, dtype)
         torch.autocast_increment_nesting()
