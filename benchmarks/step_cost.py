@@ -35,6 +35,12 @@ or not) and optimizer (``step()``, the scaler's ``update()``, ``zero_grad()``).
   (devices, dtypes, layouts or strides that differ across its lists; ``_foreach_copy_``
   may change dtype) runs one kernel per tensor;
 - ``_local_scalar_dense`` (``.item()``): 1 (a device-to-host copy that also syncs).
+- the compiled lean step (``"lean fused"`` rows: :func:`mixprec.optim._fused_lean.
+  kahan_adamw_fused_`, the default with ``AdamW(fused=True)`` on a GPU) is priced as
+  the kernels inductor generates for it (:func:`fused_kahan_cost`): one loop per
+  parameter, read and written once, put side by side in launches of up to
+  :data:`COMBO_NODES` loops (inductor's ``combo_kernel_max_num_nodes``). Its eager
+  reference runs for the count, unpriced (and its temporaries are not in the peak).
 
 **Bytes moved** by an op: the storage bytes of its tensor inputs (read) plus its tensor
 outputs (written; an in-place op's ``self`` counts both ways, foreach and fused
@@ -80,6 +86,7 @@ values on the host (the loss scale's skip decisions).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -92,6 +99,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +116,9 @@ from benchmarks._common import (
 )
 from benchmarks.recipes import build_recipe, make_optimizer
 from mixprec import numerics
+from mixprec.optim import _fused_lean
 from mixprec.optim._flat_params import is_dense
+from mixprec.optim._lean import LeanUpdates
 
 __all__ = [
     "MTA_CHUNK",
@@ -427,17 +437,44 @@ class StepCounter(TorchDispatchMode):
         self.phase = "forward"
         self.tallies = {p: PhaseTally() for p in PHASES}
         self.memory: _LiveStorages | None = None
+        self.priced_apart = False  # inside a compiled region, priced as a whole
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:  # fmt: skip
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if self.priced_apart:
+            return out
         cost = op_cost(func, args, kwargs, out, self.limits)
         self.tallies[self.phase].add(func.overloadpacket.__name__, cost)
         if self.memory is not None:
             for t in _tensors(out):
                 self.memory.see(t)
         return out
+
+
+#: Loops per launch of an inductor combo kernel (``combo_kernel_max_num_nodes``).
+COMBO_NODES = 8
+
+
+def fused_kahan_cost(args: Sequence[Any]) -> OpCost:
+    """The price of one call of the compiled lean step's elementwise math
+    (:func:`mixprec.optim._fused_lean._kahan_adamw_math_`, positional ``args``): every
+    tensor it is given read once, the weights, compensations and moments written
+    once, in one loop per parameter and :data:`COMBO_NODES` loops per launch.
+
+    >>> w = [torch.ones(4, dtype=torch.bfloat16)]
+    >>> cost = fused_kahan_cost((w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
+    ...                          [torch.ones(4, dtype=torch.float64)], torch.zeros(())))
+    >>> cost.launches, cost.nbytes  # 8 + 4 + 4 + 32 + 4 bytes read, 8 written: w repeats
+    (1, 60)
+    """
+    weights, compensations, _, exp_avgs, exp_avg_sqs = args[:5]
+    read = _unique(list(_tensors(list(args[:9]))))
+    written = _unique([*weights, *(c for c in compensations if c is not None),
+                       *exp_avgs, *exp_avg_sqs])  # fmt: skip
+    launches = -(-len(weights) // COMBO_NODES)
+    return OpCost(launches, sum(map(_nbytes, read)) + sum(map(_nbytes, written)))
 
 
 # ----------------------------------------------------------------------------- the recipes
@@ -453,6 +490,7 @@ class Variant:
     scaler: str | None = None  # with autocast: "torch" or "mixprec" GradScaler
     master_weights: str | None = None
     adamw8bit: bool = False  # mixprec.optim.AdamW8bit instead of torch's fused AdamW
+    fused: bool = False  # lean: the compiled kahan step, as on a GPU with AdamW(fused=True)
 
     @property
     def anchor(self) -> str:
@@ -469,6 +507,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("O2 split bf16", _BF16, "O2", master_weights="split"),
     Variant("O3 bf16", _BF16, "O3"),
     Variant("lean bf16", _BF16, "lean"),
+    Variant("lean fused bf16", _BF16, "lean", fused=True),
     Variant("lean stochastic bf16", _BF16, "lean", master_weights="stochastic"),
     Variant("O2 split8 bf16", _BF16, "O2", master_weights="split8"),
     Variant("O2 split8+AdamW8bit bf16", _BF16, "O2", master_weights="split8", adamw8bit=True),
@@ -479,6 +518,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("O2 fp16", _FP16, "O2"),
     Variant("O3 fp16", _FP16, "O3"),
     Variant("lean fp16", _FP16, "lean"),
+    Variant("lean fused fp16", _FP16, "lean", fused=True),
     Variant("rewrite fp16", _FP16, "rewrite"),
 )
 
@@ -555,6 +595,9 @@ def prepare(variant: Variant, factory: Callable[[], nn.Module], example_x: torch
     if variant.master_weights is not None:
         kwargs["master_weights"] = variant.master_weights
     model, opt = amp.initialize(model, inner, level=variant.level, dtype=variant.dtype, **kwargs)
+    if variant.fused:  # the GPU's default for a fused AdamW, asked for on any device
+        assert isinstance(opt._master, LeanUpdates)
+        opt._master.fused = True
     return Prepared(variant, model, opt)
 
 
@@ -655,7 +698,15 @@ def _live_bytes() -> int:
 
 def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int = 2,
                limits: str = "cuda12", baseline: int = 0) -> dict[str, Any]:  # fmt: skip
-    """Take ``warmup`` steps, then count one; return the phase tallies and bytes/param."""
+    """Take ``warmup`` steps, then count one; return the phase tallies and bytes/param.
+    Counting needs the ops, not the speed: the compiled lean step's eager reference
+    runs in their place (it compiles nothing)."""
+    with mock.patch.object(_fused_lean, "_compiled", lambda: _fused_lean._kahan_adamw_math_):
+        return _count_step(prepared, x, y, warmup, limits, baseline)
+
+
+def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int,
+                limits: str, baseline: int) -> dict[str, Any]:  # fmt: skip
     for _ in range(warmup):
         prepared.train_step(x, y)
     n_params = sum(p.numel() for p in prepared.model.parameters())
@@ -677,7 +728,8 @@ def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int
             counter.memory = _LiveStorages()
             counter.memory.start(grads)
             del grads
-            prepared.step()
+            with _priced_as_compiled(counter):
+                prepared.step()
             peak = counter.memory.peak
             counter.memory.stop()
             counter.memory = None
@@ -705,6 +757,23 @@ def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int
         "bytes_per_param_at_rest": at_rest / n_params,
         "bytes_per_param_step_peak": (peak - baseline) / n_params,
     }
+
+
+@contextlib.contextmanager
+def _priced_as_compiled(counter: StepCounter) -> Iterator[None]:
+    """Price each call of the compiled lean step's math as :func:`fused_kahan_cost`."""
+    math = _fused_lean._kahan_adamw_math_
+
+    def priced(*args: Any) -> None:
+        counter.priced_apart = True
+        try:
+            math(*args)
+        finally:
+            counter.priced_apart = False
+        counter.tallies[counter.phase].add("kahan_adamw (compiled)", fused_kahan_cost(args))
+
+    with mock.patch.object(_fused_lean, "_kahan_adamw_math_", priced):
+        yield
 
 
 def count_all(workload: Workload, variants: Sequence[Variant], warmup: int, limits: str,

@@ -165,6 +165,22 @@ def test_counts_are_deterministic_and_bytes_per_parameter_are_exact(label):
     assert first["bytes_per_param_step_peak"] > first["bytes_per_param_at_rest"]
 
 
+def test_the_compiled_lean_step_is_priced_as_one_read_and_write_of_each_tensor():
+    """The lean fused row: its eager reference runs unpriced, and the call is priced as
+    inductor's loops (18 bytes per bfloat16 parameter, 8 parameters per launch); the
+    rest of the step is priced as it runs, and less is moved than by the eager lean step."""
+    fused, eager = _tiny_counts("lean fused bf16"), _tiny_counts("lean bf16")
+    phase = fused["phases"]["optimizer"]
+    launches = dict(phase["top_launches"])
+    n_tensors = 19  # the tiny TransformerClassifier's parameter tensors
+    assert launches["kahan_adamw (compiled)"] == math.ceil(n_tensors / step_cost.COMBO_NODES)
+    assert "sqrt" not in launches and "_fused_adamw_" not in launches
+    assert phase["bytes"] < eager["phases"]["optimizer"]["bytes"]
+    assert fused["phases"]["forward"] == eager["phases"]["forward"]
+    assert fused["bytes_per_param_at_rest"] == pytest.approx(8.0, abs=0.05)
+    assert fused["bytes_per_param_step_peak"] < eager["bytes_per_param_step_peak"]
+
+
 def test_lean_optimizer_launches_do_not_grow_with_parameter_tensors():
     """The lean step gathers, rounds and scatters runs of parameters: what it adds to O3's
     optimizer phase is the same for a model of 8 tensors as for one of 64."""

@@ -385,13 +385,12 @@ class LeanUpdates:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("AdamW does not support sparse gradients")
-                state = self.optimizer.state[p]
-                if not state:
-                    fresh.append((p, state))
+                if not self.optimizer.state.get(p):  # (a defaultdict: get adds nothing)
+                    fresh.append(p)
                 lists = calls.setdefault((p.device, bool(group.get("maximize"))),
                                          tuple([] for _ in range(8)))  # fmt: skip
                 for into, value in zip(lists, (
-                    p.detach(), compensation.get(id(p)), p.grad, p, p, p,
+                    p.data, compensation.get(id(p)), p.grad, p, p, p,
                     kept.get(id(p)), self._hyper(group, p.device),
                 )):  # fmt: skip
                     into.append(value)
@@ -399,10 +398,12 @@ class LeanUpdates:
             # A skipped first step must create no state (as the inner step would not).
             if skip and found_inf.item():
                 return True
-            for p, state in fresh:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for p in fresh:  # as torch's fused AdamW makes it: its checkpoints load alike
+                self.optimizer.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
         for (device, maximize), lists in calls.items():
             weights, compensations, grads, _, _, _, kept_list, hypers = lists
             states = [self.optimizer.state[p] for p in lists[3]]

@@ -1,0 +1,273 @@
+"""The compiled lean kahan step (``mixprec.optim._fused_lean``) and its use by
+``LeanUpdates``: the eager reference against float64 AdamW, compiled against eager,
+the skip, checkpoints shared with the eager lean step, and when it is (not) taken."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec import LossScaleOptimizer
+from mixprec.optim import _fused_lean
+from mixprec.optim._fused_lean import kahan_adamw_, kahan_adamw_fused_
+from mixprec.optim._lean import LeanUpdates
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    """bfloat16 linears around a float32 LayerNorm (kept in float32, as O3 keeps it)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4))  # fmt: skip
+    model[0].bfloat16()
+    model[2].bfloat16()
+    return model
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = model[1](model[0](x.to(model[0].weight.dtype)).float())
+    return ((model[2](h.to(model[2].weight.dtype)).float() - y) ** 2).mean()
+
+
+def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g))
+            for _ in range(steps)]  # fmt: skip
+
+
+def _train(model, lean, opt, data, found_inf=None):
+    for x, y in data:
+        opt.zero_grad()
+        _loss(model, x, y).backward()
+        lean.step(torch.zeros(()) if found_inf is None else found_inf, True, None)
+
+
+def _lean(model, fused):
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    return opt, LeanUpdates(opt, "kahan", fused=fused)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """The same 25 steps three ways: the fused (compiled) lean step, the eager lean
+    step, and float32 AdamW on a float32 copy of the model."""
+    data = _data(25)
+    fused_model, eager_model = _model(), _model()
+    reference = copy.deepcopy(fused_model).float()
+    fused_opt, fused = _lean(fused_model, True)
+    eager_opt, eager = _lean(eager_model, False)
+    _train(fused_model, fused, fused_opt, data)
+    _train(eager_model, eager, eager_opt, data)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **HYPER)
+    for x, y in data:
+        ref_opt.zero_grad()
+        _loss(reference, x, y).backward()
+        ref_opt.step()
+    return {"fused": (fused_model, fused_opt, fused), "eager": (eager_model, eager_opt, eager),
+            "reference": reference, "data": data}  # fmt: skip
+
+
+def _masters(model, lean):
+    comp = dict(zip(map(id, lean._low), lean.compensation))
+    return [p.detach().float() + (comp[id(p)].float() if id(p) in comp else 0)
+            for p in model.parameters()]  # fmt: skip
+
+
+def test_eager_reference_keeps_updates_that_bfloat16_rounds_away():
+    """Against float64 AdamW on the same gradients: the compensated weight follows it
+    to float32-like accuracy, where plain bfloat16 AdamW stalls."""
+    torch.manual_seed(0)
+    start = torch.randn(256) + 4.0  # bfloat16 ulp 2**-5 here: AdamW's 1e-3 steps round away
+    w = start.bfloat16()
+    c, m, v, step = torch.zeros_like(w), torch.zeros_like(w), torch.zeros_like(w), torch.zeros(())
+    exact = w.double()
+    em, ev = torch.zeros_like(exact), torch.zeros_like(exact)
+    plain = w.clone()
+    plain_opt = torch.optim.AdamW([plain], lr=1e-3, weight_decay=0.0)
+    hyper = torch.tensor([1e-3, 0.9, 0.999, 1e-8], dtype=torch.float64)
+    for t in range(1, 101):
+        g = torch.randn(256).bfloat16()
+        kahan_adamw_([w], [c], [g], [m], [v], [step], [torch.ones(1)], [hyper], torch.zeros(()))
+        em = 0.9 * em + 0.1 * g.double()
+        ev = 0.999 * ev + 0.001 * g.double() ** 2
+        exact -= 1e-3 / (1 - 0.9**t) * em / (ev.sqrt() / (1 - 0.999**t) ** 0.5 + 1e-8)
+        plain.grad = g
+        plain_opt.step()
+    assert float(step) == 100
+    kahan_error = (w.double() + c.double() - exact).abs().max()
+    plain_error = (plain.double() - exact).abs().max()
+    assert kahan_error < 2e-3 < plain_error  # bfloat16 moments bound the former
+    assert kahan_error < plain_error / 10
+
+
+def test_compiled_step_matches_its_eager_reference(trained):
+    model, opt, _ = trained["fused"]
+    lists = _step_lists(model, opt)
+    eager = copy.deepcopy(lists)
+    found = torch.zeros(())
+    kahan_adamw_(*eager, found)
+    kahan_adamw_fused_(*lists, found)
+    for got, want in zip(lists, eager):
+        for a, b in zip(got, want):
+            if a is not None:
+                assert torch.allclose(a.float(), b.float(), rtol=0, atol=float(
+                    torch.finfo(b.dtype).eps * b.float().abs().max().clamp(min=1)))  # fmt: skip
+
+
+def _step_lists(model, opt):
+    """Inputs of one fused step: each parameter's tensors, cloned."""
+    weights = [p.detach().clone() for p in model.parameters()]
+    comps = [w.clone().zero_().add_(1e-4) if w.dtype == torch.bfloat16 else None for w in weights]
+    torch.manual_seed(3)
+    grads = [torch.randn_like(w) for w in weights]
+    states = [opt.state[p] for p in model.parameters()]
+    return ([weights, comps, grads, [s["exp_avg"].clone() for s in states],
+             [s["exp_avg_sq"].clone() for s in states], [s["step"].clone() for s in states],
+             [torch.full((1,), 0.999) for _ in weights],
+             [torch.tensor([1e-3, 0.9, 0.999, 1e-8], dtype=torch.float64)] * len(weights)])
+
+
+def test_fused_lean_trains_like_the_eager_lean_step_and_float32(trained):
+    fused, eager = _masters(*trained["fused"][::2]), _masters(*trained["eager"][::2])
+    reference = [p.detach() for p in trained["reference"].parameters()]
+    for f, e, r in zip(fused, eager, reference):
+        scale = r.abs().max()
+        # One rounding fewer than the eager lean step: at least as close to float32.
+        assert (f - r).abs().max() <= 1.5 * (e - r).abs().max() + 1e-6 * scale
+        assert (f - r).abs().max() < 0.01 * scale
+
+
+def test_state_is_torch_adamw_state_and_checkpoints_move_between_paths(trained):
+    model, opt, lean = trained["fused"]
+    eager_model, eager_opt, eager = trained["eager"]
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        got, want = opt.state[p], eager_opt.state[q]
+        assert set(got) == set(want) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(got[k].dtype == want[k].dtype and got[k].shape == want[k].shape for k in got)
+        assert float(got["step"]) == 25.0
+    # The fused run's checkpoint continues on the eager path, and the other way round.
+    clone = _model()
+    clone.load_state_dict(model.state_dict())
+    clone_opt, clone_lean = _lean(clone, False)
+    clone_opt.load_state_dict(opt.state_dict())
+    clone_lean.load_state_dict(lean.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(clone_lean.compensation, lean.compensation))
+    _train(clone, clone_lean, clone_opt, _data(2))
+    assert float(clone_opt.state[clone[0].weight]["step"]) == 27.0
+
+
+def test_a_skipped_step_changes_nothing_and_a_skipped_first_step_creates_no_state(trained):
+    model, opt, lean = trained["fused"]
+    before = copy.deepcopy((model.state_dict(), opt.state_dict(), lean.state_dict()))
+    x, y = trained["data"][0]
+    opt.zero_grad()
+    _loss(model, x, y).backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    assert lean.step(torch.ones(()), True, None) is False  # no host sync
+    after = (model.state_dict(), opt.state_dict(), lean.state_dict())
+    assert _equal(before, after)
+
+    fresh = _model()
+    fresh_opt, fresh_lean = _lean(fresh, True)
+    _loss(fresh, x, y).backward()
+    assert fresh_lean.step(torch.ones(()), True, None) is True  # the host saw the skip
+    assert not fresh_opt.state
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_new_learning_rate_does_not_compile_again(trained):
+    model, opt, lean = trained["fused"]
+    compiled = _fused_lean._compiled()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for lr in (2e-3, 5e-4):
+        for group in opt.param_groups:
+            group["lr"] = lr
+        _train(model, lean, opt, trained["data"][:1])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
+    assert _fused_lean._compiled() is compiled
+
+
+def test_under_a_dispatch_mode_the_eager_math_runs_and_the_mode_sees_it(trained):
+    model, opt, lean = trained["fused"]
+
+    class Ops(TorchDispatchMode):
+        seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as mode:
+        _train(model, lean, opt, trained["data"][:1])
+    assert "sqrt" in mode.seen and "_foreach_add_" in mode.seen
+
+
+def test_when_the_fused_step_is_taken():
+    model = _model()
+    opt, lean = _lean(model, None)
+    assert not lean._fuses(None)  # fused=None: a GPU's default, eager on a CPU
+    lean.fused = True
+    assert lean._fuses(None)
+    assert not lean._fuses({"closure": None})  # step() keyword arguments: the inner step
+    handle = opt.register_step_post_hook(lambda *_: None)
+    assert not lean._fuses(None)  # the inner optimizer's hooks must run: its own step
+    handle.remove()
+    assert lean._fuses(None)
+
+
+@pytest.mark.parametrize(
+    ("make", "mode", "match"),
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "kahan", "SGD is not torch.optim.AdamW"),
+        (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "kahan", "amsgrad"),
+        (lambda ps: torch.optim.AdamW(ps), "stochastic", "fuses the 'kahan' mode"),
+    ],
+)
+def test_fused_true_refuses_what_it_cannot_run(make, mode, match):
+    model = _model()
+    opt = make(model.parameters())
+    with pytest.raises(ValueError, match=match):
+        LeanUpdates(opt, mode, fused=True)
+    with pytest.raises(TypeError, match="fused"):
+        LeanUpdates(torch.optim.AdamW(model.parameters()), "kahan", fused="yes")  # type: ignore[arg-type]
+
+
+def test_an_lr_scheduler_on_the_inner_optimizer_sees_its_step(trained):
+    model, opt, lean = trained["fused"]
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, lean, opt, trained["data"][:1])
+        scheduler.step()
+
+
+def test_loss_scale_optimizer_takes_the_fused_step_with_its_options(trained):
+    """Through LossScaleOptimizer: decoupled decay and skip on a non-finite gradient."""
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    opt = LossScaleOptimizer(inner, loss_scale=None, master_weights="kahan", weight_decay=0.01)
+    opt._master.fused = True
+    for x, y in trained["data"][:3]:
+        opt.zero_grad()
+        opt.scale_loss(_loss(model, x, y)).backward()
+        opt.step()
+    assert int(opt.iterations) == 3 and float(inner.state[model[0].weight]["step"]) == 3
+    before = copy.deepcopy(model.state_dict())
+    opt.zero_grad()
+    opt.scale_loss(_loss(model, *trained["data"][0]) * float("inf")).backward()
+    opt.step()
+    assert int(opt.skipped_steps) == 1 and _equal(before, model.state_dict())
