@@ -6,7 +6,8 @@ where installed, ``torch-optimi``'s Kahan-summation AdamW on the same bfloat16 m
 ``split8`` and ``split8-8bit`` are :class:`~mixprec.optim.Split8MasterWeights` (bfloat16
 weight + int8 correction, the update in float32) around torch's AdamW and around
 :class:`~mixprec.optim.AdamW8bit` (8-bit moments; ``split8-8bit-fused``, not run by
-default, compiles its step); ``--modes`` runs a subset.
+default, compiles its step); ``kahan-fused`` (not run by default) is the lean level's
+compiled kahan step; ``--modes`` runs a subset.
 Per mode: bytes per parameter (live tensor storage after training: parameters,
 optimizer state, masters or buffers), the optimizer step's time as the median of its
 per-step ratios to float32 masters (``fp32``; the modes of a seed train in lockstep,
@@ -44,8 +45,10 @@ __all__ = ["held_bytes_per_param", "run"]
 
 MODES = ("float32", "fp32", "split", "kahan", "stochastic", "split8", "split8-8bit", "bf16",
          "optimi-kahan")
-#: Not run by default: ``AdamW8bit(fused=True)`` (``torch.compile``; its first step compiles).
-EXTRA_MODES = ("split8-8bit-fused",)
+#: Not run by default, as their first step compiles (``torch.compile``):
+#: ``AdamW8bit(fused=True)``, and the lean level's compiled kahan step (the default with
+#: ``AdamW(fused=True)`` on a GPU).
+EXTRA_MODES = ("split8-8bit-fused", "kahan-fused")
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +78,11 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float) -> Any:
             inner = AdamW8bit(params, lr=lr, weight_decay=0.0, fused=True if mode.endswith("fused") else None)
         opt = LossScaleOptimizer(inner)
         opt._master = Split8MasterWeights(inner)
+        return opt
+    if mode == "kahan-fused":
+        inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+        opt = LossScaleOptimizer(inner, master_weights="kahan")
+        opt._master.fused = True  # compiled on any device, as on a GPU by default
         return opt
     inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     wrapped = False if mode in ("float32", "bf16") else mode

@@ -39,8 +39,9 @@ or not) and optimizer (``step()``, the scaler's ``update()``, ``zero_grad()``).
   kahan_adamw_fused_`, the default with ``AdamW(fused=True)`` on a GPU) is priced as
   the kernels inductor generates for it (:func:`fused_kahan_cost`): one loop per
   parameter, read and written once, put side by side in launches of up to
-  :data:`COMBO_NODES` loops (inductor's ``combo_kernel_max_num_nodes``). Its eager
-  reference runs for the count, unpriced (and its temporaries are not in the peak).
+  :data:`COMBO_NODES` loops (the ``combo_kernel_max_num_nodes`` it asks inductor
+  for). Its eager reference runs for the count, unpriced (and its temporaries are not
+  in the peak).
 
 **Bytes moved** by an op: the storage bytes of its tensor inputs (read) plus its tensor
 outputs (written; an in-place op's ``self`` counts both ways, foreach and fused
@@ -453,8 +454,8 @@ class StepCounter(TorchDispatchMode):
         return out
 
 
-#: Loops per launch of an inductor combo kernel (``combo_kernel_max_num_nodes``).
-COMBO_NODES = 8
+#: Loops per launch of the compiled lean step's combo kernels, as it asks inductor.
+COMBO_NODES = _fused_lean.COMBO_NODES
 
 
 def fused_kahan_cost(args: Sequence[Any]) -> OpCost:

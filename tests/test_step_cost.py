@@ -167,7 +167,7 @@ def test_counts_are_deterministic_and_bytes_per_parameter_are_exact(label):
 
 def test_the_compiled_lean_step_is_priced_as_one_read_and_write_of_each_tensor():
     """The lean fused row: its eager reference runs unpriced, and the call is priced as
-    inductor's loops (18 bytes per bfloat16 parameter, 8 parameters per launch); the
+    inductor's loops (18 bytes per bfloat16 parameter, COMBO_NODES loops a launch); the
     rest of the step is priced as it runs, and less is moved than by the eager lean step."""
     fused, eager = _tiny_counts("lean fused bf16"), _tiny_counts("lean bf16")
     phase = fused["phases"]["optimizer"]

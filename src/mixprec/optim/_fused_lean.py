@@ -28,10 +28,15 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["kahan_adamw_", "kahan_adamw_fused_", "fused_kahan_unsupported", "HYPER_NAMES"]
+__all__ = ["kahan_adamw_", "kahan_adamw_fused_", "fused_kahan_unsupported", "HYPER_NAMES",
+           "COMBO_NODES"]  # fmt: skip
 
 #: The order of a group's hyperparameters in the float64 vector :func:`kahan_adamw_` reads.
 HYPER_NAMES = ("lr", "beta1", "beta2", "eps")
+
+#: Per-parameter loops that inductor puts in one launch (its combo kernels; 8 unless
+#: told). A loop takes about 9 kernel arguments, well within the 250 a launch may have.
+COMBO_NODES = 16
 
 
 def kahan_adamw_(
@@ -121,8 +126,9 @@ def _compiled() -> Any:
     # Combo kernels put the parameters' loops side by side in a few launches on a GPU.
     # Emulated precision casts: inductor otherwise keeps float32 through a round trip
     # to bfloat16, and the compensation, total - float(round(total)), would be lost.
-    return torch.compile(_kahan_adamw_math_, fullgraph=True, dynamic=False,
-                         options={"combo_kernels": True, "emulate_precision_casts": True})  # fmt: skip
+    options = {"combo_kernels": True, "combo_kernel_max_num_nodes": COMBO_NODES,
+               "emulate_precision_casts": True}  # fmt: skip
+    return torch.compile(_kahan_adamw_math_, fullgraph=True, dynamic=False, options=options)
 
 
 def kahan_adamw_fused_(
