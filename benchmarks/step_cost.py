@@ -35,9 +35,10 @@ or not) and optimizer (``step()``, the scaler's ``update()``, ``zero_grad()``).
   (devices, dtypes, layouts or strides that differ across its lists; ``_foreach_copy_``
   may change dtype) runs one kernel per tensor;
 - ``_local_scalar_dense`` (``.item()``): 1 (a device-to-host copy that also syncs).
-- the compiled lean step (``"lean fused"`` rows: :func:`mixprec.optim._fused_lean.
-  kahan_adamw_fused_`, the default with ``AdamW(fused=True)`` on a GPU) is priced as
-  the kernels inductor generates for it (:func:`fused_kahan_cost`): one loop per
+- the compiled lean steps (``"lean fused"`` and ``"split8 fused"`` rows:
+  :func:`mixprec.optim._fused_lean.lean_adamw_fused_`, the default with
+  ``AdamW(fused=True)`` on a GPU) are priced as the kernels inductor generates for
+  them (:func:`fused_lean_cost`): one loop per
   parameter, read and written once, put side by side in launches of up to
   :data:`COMBO_NODES` loops (the ``combo_kernel_max_num_nodes`` it asks inductor
   for). Its eager reference runs for the count, unpriced (and its temporaries are not
@@ -458,21 +459,22 @@ class StepCounter(TorchDispatchMode):
 COMBO_NODES = _fused_lean.COMBO_NODES
 
 
-def fused_kahan_cost(args: Sequence[Any]) -> OpCost:
+def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     """The price of one call of the compiled lean step's elementwise math
-    (:func:`mixprec.optim._fused_lean._kahan_adamw_math_`, positional ``args``): every
-    tensor it is given read once, the weights, compensations and moments written
-    once, in one loop per parameter and :data:`COMBO_NODES` loops per launch.
+    (:func:`mixprec.optim._fused_lean._lean_adamw_math_`, positional ``args``): every
+    tensor it is given read once, the weights, compensations or corrections and
+    moments written once, in one loop per parameter and :data:`COMBO_NODES` loops per
+    launch.
 
     >>> w = [torch.ones(4, dtype=torch.bfloat16)]
-    >>> cost = fused_kahan_cost((w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
-    ...                          [torch.ones(4, dtype=torch.float64)], torch.zeros(())))
+    >>> cost = fused_lean_cost(("kahan", w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
+    ...                         [torch.ones(4, dtype=torch.float64)], torch.zeros(())))
     >>> cost.launches, cost.nbytes  # 8 + 4 + 4 + 32 + 4 bytes read, 8 written: w repeats
     (1, 60)
     """
-    weights, compensations, _, exp_avgs, exp_avg_sqs = args[:5]
-    read = _unique(list(_tensors(list(args[:9]))))
-    written = _unique([*weights, *(c for c in compensations if c is not None),
+    weights, extras, _, exp_avgs, exp_avg_sqs = args[1:6]
+    read = _unique(list(_tensors(list(args[1:10]))))
+    written = _unique([*weights, *(c for c in extras if c is not None),
                        *exp_avgs, *exp_avg_sqs])  # fmt: skip
     launches = -(-len(weights) // COMBO_NODES)
     return OpCost(launches, sum(map(_nbytes, read)) + sum(map(_nbytes, written)))
@@ -702,7 +704,7 @@ def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int
     """Take ``warmup`` steps, then count one; return the phase tallies and bytes/param.
     Counting needs the ops, not the speed: the compiled lean step's eager reference
     runs in their place (it compiles nothing)."""
-    with mock.patch.object(_fused_lean, "_compiled", lambda: _fused_lean._kahan_adamw_math_):
+    with mock.patch.object(_fused_lean, "_compiled", lambda: _fused_lean._lean_adamw_math_):
         return _count_step(prepared, x, y, warmup, limits, baseline)
 
 
@@ -762,8 +764,8 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
 
 @contextlib.contextmanager
 def _priced_as_compiled(counter: StepCounter) -> Iterator[None]:
-    """Price each call of the compiled lean step's math as :func:`fused_kahan_cost`."""
-    math = _fused_lean._kahan_adamw_math_
+    """Price each call of the compiled lean step's math as :func:`fused_lean_cost`."""
+    math = _fused_lean._lean_adamw_math_
 
     def priced(*args: Any) -> None:
         counter.priced_apart = True
@@ -771,9 +773,9 @@ def _priced_as_compiled(counter: StepCounter) -> Iterator[None]:
             math(*args)
         finally:
             counter.priced_apart = False
-        counter.tallies[counter.phase].add("kahan_adamw (compiled)", fused_kahan_cost(args))
+        counter.tallies[counter.phase].add(f"{args[0]}_adamw (compiled)", fused_lean_cost(args))
 
-    with mock.patch.object(_fused_lean, "_kahan_adamw_math_", priced):
+    with mock.patch.object(_fused_lean, "_lean_adamw_math_", priced):
         yield
 
 

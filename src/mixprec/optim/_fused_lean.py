@@ -1,23 +1,29 @@
-"""The lean ``"kahan"`` step with AdamW as one compiled elementwise function.
+"""The lean master-weight modes' AdamW step as one compiled elementwise function.
 
-The eager lean step (:class:`~mixprec.optim._lean.LeanUpdates`) runs the inner
-optimizer on the compensation buffers, then rounds in float32: separate kernels around
-a float32 sum held in memory, about 38 bytes moved per bfloat16 parameter with AdamW.
-:func:`kahan_adamw_` is that step written as one pure elementwise function of each
-parameter's tensors: AdamW's update (torch's arithmetic, the moments in the
-parameter's dtype), decoupled decay folded into the float32 sum, the Kahan split, and
-the skip on ``found_inf``. Compiled (:func:`kahan_adamw_fused_`), each parameter's
-weight, compensation, gradient and moments are read once and written once: 18 bytes
-per bfloat16 parameter (10 read, 8 written).
+The eager ``"kahan"`` step (:class:`~mixprec.optim._lean.LeanUpdates`) runs the inner
+optimizer on the compensation buffers, then rounds in float32; the eager ``"split8"``
+step (:class:`~mixprec.optim.Split8MasterWeights`) rebuilds float32 masters and their
+gradients, runs the inner optimizer on them and splits them again. Both are separate
+kernels around float32 tensors held in memory: about 38 and 75 bytes moved per
+bfloat16 parameter with AdamW. :func:`kahan_adamw_` and :func:`split8_adamw_` are the
+same steps written as one pure elementwise function of each parameter's tensors:
+AdamW's update (torch's arithmetic), decoupled decay folded in, the rounding and the
+split, and the skip on ``found_inf``. Compiled (:func:`lean_adamw_fused_`), each
+tensor is read once and written once: 18 bytes per bfloat16 parameter for kahan
+(weight, compensation, gradient and bfloat16 moments: 10 read, 8 written), 24 for
+split8 (weight, int8 correction, gradient, float32 moments: 13 read, 11 written).
 
-The function is its own eager reference, and it differs from the eager lean step in
-one rounding: the eager step rounds ``c - update`` to bfloat16 (the inner optimizer
-writes its update into the bfloat16 buffer) before adding the decayed weight; here
-``weight * kept + c - update`` is formed in float32 and rounded once, so the split
-keeps a little more of each update. Compiled and eager runs of this function agree up
-to the rounding of reordered float32 operations (inductor may fuse a multiply and an
-add into one FMA), and the skip and the step counts are exact either way. Checkpoints
-are the inner ``AdamW``'s, so a run can move between the fused and the eager lean step.
+Each function is its own eager reference. The kahan one differs from the eager lean
+step in one rounding: the eager step rounds ``c - update`` to bfloat16 (the inner
+optimizer writes its update into the bfloat16 buffer) before adding the decayed
+weight; here ``weight * kept + c - update`` is formed in float32 and rounded once, so
+the split keeps more of each update. The split8 one does the eager step's arithmetic
+on the same values, except that decoupled decay from both the inner optimizer and
+the wrapper is one factor (``1 - lr * (a + b)``, not ``(1 - lr * a)(1 - lr * b)``).
+Compiled and eager runs agree up to the rounding of reordered float32 operations
+(inductor may fuse a multiply and an add into one FMA), and the skip and the step
+counts are exact either way. The state is the inner ``AdamW``'s own, so checkpoints
+move freely between the fused and the eager steps.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["kahan_adamw_", "kahan_adamw_fused_", "fused_kahan_unsupported", "HYPER_NAMES",
+from mixprec.optim._split8 import join8_bits, split8_bits
+
+__all__ = ["kahan_adamw_", "split8_adamw_", "lean_adamw_fused_", "fused_adamw_unsupported",
+           "wants_fused", "fused_adamw_step", "HyperVectors", "HYPER_NAMES",
            "COMBO_NODES"]  # fmt: skip
 
 #: The order of a group's hyperparameters in the float64 vector :func:`kahan_adamw_` reads.
@@ -77,14 +86,14 @@ def kahan_adamw_(
     The step counts advance in one foreach op after the elementwise math (a count is
     one number: a loop of its own would be one more launch per parameter).
     """
-    _kahan_adamw_math_(weights, compensations, grads, exp_avgs, exp_avg_sqs, steps, kept,
-                       hypers, found_inf, maximize)  # fmt: skip
+    _lean_adamw_math_("kahan", weights, compensations, grads, exp_avgs, exp_avg_sqs, steps,
+                      kept, hypers, found_inf, maximize)  # fmt: skip
     torch._foreach_add_(steps, 1.0 - found_inf)
 
 
-def _kahan_adamw_math_(
+def split8_adamw_(
     weights: list[torch.Tensor],
-    compensations: list[torch.Tensor | None],
+    corrections: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
@@ -94,12 +103,48 @@ def _kahan_adamw_math_(
     found_inf: torch.Tensor,
     maximize: bool = False,
 ) -> None:
-    """:func:`kahan_adamw_` without advancing ``steps`` (it reads them): the part that
-    compiles into per-parameter loops."""
+    """One AdamW step of ``"split8"`` masters, in place, without materialising them:
+    the arguments of :func:`kahan_adamw_`, with each bfloat16 weight's int8
+    ``corrections[i]`` (:func:`~mixprec.optim._split8.split8_bits`) in place of the
+    compensation and float32 moments (the masters' state)::
+
+        master = join8(w, q);  master = master * kept - update   # AdamW, in float32
+        w = round(master);     q = split8(master, w)
+
+    >>> from mixprec.optim._split8 import join8_bits
+    >>> w = torch.ones(4, dtype=torch.bfloat16); q = torch.zeros(4, dtype=torch.int8)
+    >>> m, v, step = torch.zeros(4), torch.zeros(4), torch.zeros(())
+    >>> hyper = torch.tensor([2.0**-10, 0.9, 0.999, 1e-8], dtype=torch.float64)
+    >>> g = torch.full((4,), -1.0, dtype=torch.bfloat16)
+    >>> split8_adamw_([w], [q], [g], [m], [v], [step], [torch.ones(1)], [hyper], torch.zeros(()))
+    >>> float(w[0]), round(float(join8_bits(w, q)[0]) - 1, 5)  # kept in the correction
+    (1.0, 0.00098)
+    """
+    _lean_adamw_math_("split8", weights, corrections, grads, exp_avgs, exp_avg_sqs, steps,
+                      kept, hypers, found_inf, maximize)  # fmt: skip
+    torch._foreach_add_(steps, 1.0 - found_inf)
+
+
+def _lean_adamw_math_(
+    mode: str,
+    weights: list[torch.Tensor],
+    extras: list[Any],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    kept: list[torch.Tensor],
+    hypers: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    maximize: bool = False,
+) -> None:
+    """:func:`kahan_adamw_` (``mode="kahan"``, ``extras`` the compensations) or
+    :func:`split8_adamw_` (``"split8"``, the corrections) without advancing ``steps``
+    (it reads them): the part that compiles into one loop per parameter."""
     applied = 1.0 - found_inf
     skip = found_inf != 0
     for i, (w, g, m, v, step) in enumerate(zip(weights, grads, exp_avgs, exp_avg_sqs, steps)):
-        c = compensations[i]
+        extra = extras[i]
         lr, beta1, beta2, eps = hypers[i].unbind()
         g32 = -g.float() if maximize else g.float()
         t = step + applied
@@ -108,11 +153,17 @@ def _kahan_adamw_math_(
         step_size = lr / (1 - beta1**t)
         root2 = (1 - beta2**t).sqrt()
         update = m32 / (v32.sqrt() / root2 + eps) * step_size
-        total = w.float() * kept[i].reshape(()) - update  # 0-dim: a 0-dim weight stays so
-        if c is not None:
-            total = total + c.float()
+        split8 = mode == "split8" and extra is not None
+        start = join8_bits(w, extra) if split8 else w.float()
+        total = start * kept[i].reshape(()) - update  # 0-dim: a 0-dim weight stays so
+        if split8:
             rounded = total.to(w.dtype)
-            c.copy_(torch.where(skip, c, (total - rounded.float()).to(c.dtype)))
+            extra.copy_(torch.where(skip, extra, split8_bits(total, rounded)))
+            w.copy_(torch.where(skip, w, rounded))
+        elif extra is not None:
+            total = total + extra.float()
+            rounded = total.to(w.dtype)
+            extra.copy_(torch.where(skip, extra, (total - rounded.float()).to(extra.dtype)))
             w.copy_(torch.where(skip, w, rounded))
         else:
             w.copy_(torch.where(skip, w, total.to(w.dtype)))
@@ -122,18 +173,20 @@ def _kahan_adamw_math_(
 
 @functools.cache
 def _compiled() -> Any:
-    # One graph per list layout (count, shapes, dtypes): a model's step compiles once.
-    # Combo kernels put the parameters' loops side by side in a few launches on a GPU.
-    # Emulated precision casts: inductor otherwise keeps float32 through a round trip
-    # to bfloat16, and the compensation, total - float(round(total)), would be lost.
-    options = {"combo_kernels": True, "combo_kernel_max_num_nodes": COMBO_NODES,
-               "emulate_precision_casts": True}  # fmt: skip
-    return torch.compile(_kahan_adamw_math_, fullgraph=True, dynamic=False, options=options)
+    # One graph per mode and list layout (count, shapes, dtypes): a model's step
+    # compiles once. Combo kernels put the parameters' loops side by side in a few
+    # launches on a GPU. Emulated precision casts: inductor otherwise keeps float32
+    # through a round trip to bfloat16, and the compensation, total - float(round(total)),
+    # would be lost.
+    options: dict[str, Any] = {"combo_kernels": True, "combo_kernel_max_num_nodes": COMBO_NODES,
+                               "emulate_precision_casts": True}  # fmt: skip
+    return torch.compile(_lean_adamw_math_, fullgraph=True, dynamic=False, options=options)
 
 
-def kahan_adamw_fused_(
+def lean_adamw_fused_(
+    mode: str,
     weights: list[torch.Tensor],
-    compensations: list[torch.Tensor | None],
+    extras: list[Any],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
@@ -143,22 +196,137 @@ def kahan_adamw_fused_(
     found_inf: torch.Tensor,
     maximize: bool = False,
 ) -> None:
-    """:func:`kahan_adamw_` (same arguments) with its elementwise math through
-    ``torch.compile``: one loop per parameter that reads and writes each tensor once,
-    side by side in a few launches on a GPU (inductor's combo kernels). Under a
-    ``TorchDispatchMode`` (a FLOP counter, a debugging mode) the eager math runs, as
-    ``torch.compile`` itself would, so the mode sees the step's ops; a profiler sees
-    the step as ``mixprec.kahan_adamw``."""
-    args = (weights, compensations, grads, exp_avgs, exp_avg_sqs, steps, kept, hypers,
+    """:func:`kahan_adamw_` (``mode="kahan"``) or :func:`split8_adamw_` (``"split8"``),
+    same arguments after ``mode``, with the elementwise math through ``torch.compile``:
+    one loop per parameter that reads and writes each tensor once, side by side in a
+    few launches on a GPU (inductor's combo kernels). Under a ``TorchDispatchMode``
+    (a FLOP counter, a debugging mode) the eager math runs, as ``torch.compile``
+    itself would, so the mode sees the step's ops; a profiler sees the step as
+    ``mixprec.lean_adamw``."""
+    args = (mode, weights, extras, grads, exp_avgs, exp_avg_sqs, steps, kept, hypers,
             found_inf, maximize)  # fmt: skip
-    with torch.profiler.record_function("mixprec.kahan_adamw"):
-        math = _kahan_adamw_math_ if _get_current_dispatch_mode() is not None else _compiled()
+    with torch.profiler.record_function("mixprec.lean_adamw"):
+        math = _lean_adamw_math_ if _get_current_dispatch_mode() is not None else _compiled()
         math(*args)
         torch._foreach_add_(steps, 1.0 - found_inf)
 
 
-def fused_kahan_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why :func:`kahan_adamw_fused_` cannot take ``optimizer``'s step, or ``None``: it
+def wants_fused(optimizer: torch.optim.Optimizer, fused: bool | None) -> bool:
+    """Whether a lean mode steps ``optimizer`` with :func:`lean_adamw_fused_`: never
+    for ``fused=False``; for ``True`` whenever the optimizer is one it can run; for
+    ``None`` (the default) when, besides, every group asked for torch's fused AdamW
+    (``fused=True``) and the parameters are on a GPU where ``torch.compile`` runs.
+    Never while the optimizer has step hooks (the fused step does not call its
+    ``step()``, and hooks must run). Checked every step: hooks and groups can change."""
+    from torch.optim import optimizer as optimizer_module
+
+    from mixprec.optim._compressed_adamw import _compile_unsupported
+
+    if fused is False or fused_adamw_unsupported(optimizer) is not None:
+        return False
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return False
+    if optimizer_module._global_optimizer_pre_hooks or (
+        optimizer_module._global_optimizer_post_hooks
+    ):
+        return False
+    if fused:
+        return True
+    devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
+    return (
+        all(g.get("fused") for g in optimizer.param_groups)
+        and devices == {"cuda"}
+        and _compile_unsupported("cuda") is None
+    )
+
+
+#: One parameter of a fused step: its group, the tensor its optimizer state is kept
+#: under, its weight (stepped in place), its compensation or correction (``None`` for a
+#: float32 weight), its gradient and what decoupled decay keeps of it (``None``: all).
+Entry = tuple[dict[str, Any], torch.Tensor, torch.Tensor, Any, torch.Tensor, Any]
+
+
+def fused_adamw_step(
+    mode: str,
+    optimizer: torch.optim.Optimizer,
+    entries: list[Entry],
+    found_inf: torch.Tensor,
+    skip: bool,
+    hypers: HyperVectors,
+) -> bool:
+    """Step ``entries`` (the parameters with gradients) with :func:`lean_adamw_fused_`,
+    one call per device and ``maximize``, ``optimizer.state`` holding torch AdamW's
+    state (created on a first step as torch's fused AdamW creates it: float32 moments
+    for ``"split8"``'s masters, the weight's dtype for ``"kahan"``). Returns whether the
+    host saw a skip: only a first step that would create state syncs, since a skipped
+    step must leave none behind (as the inner step would)."""
+    fresh = [e for e in entries if not optimizer.state.get(e[1])]  # get: adds no entry
+    if fresh:
+        if skip and found_inf.item():
+            return True
+        for _, key, weight, _, _, _ in fresh:
+            dtype = torch.float32 if mode == "split8" else weight.dtype
+            optimizer.state[key] = {
+                "step": torch.zeros((), dtype=torch.float32, device=weight.device),
+                "exp_avg": torch.zeros_like(weight, dtype=dtype),
+                "exp_avg_sq": torch.zeros_like(weight, dtype=dtype),
+            }
+    calls: dict[tuple[torch.device, bool], list[Entry]] = {}
+    for entry in entries:
+        if entry[4].is_sparse:
+            raise RuntimeError("AdamW does not support sparse gradients")
+        calls.setdefault((entry[2].device, bool(entry[0].get("maximize"))), []).append(entry)
+    for (device, maximize), part in calls.items():
+        states = [optimizer.state[e[1]] for e in part]
+        one = torch.ones(1, dtype=torch.float32, device=device)
+        inf = found_inf.to(device, torch.float32) if skip else torch.zeros((), device=device)
+        lean_adamw_fused_(
+            mode, [e[2] for e in part], [e[3] for e in part], [e[4] for e in part],
+            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states], [one if e[5] is None else e[5] for e in part],
+            [hypers(e[0], device) for e in part], inf, maximize,
+        )  # fmt: skip
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        marked: Any = optimizer  # what an LR scheduler's wrapper of step() records
+        marked._opt_called = True
+    return False
+
+
+class HyperVectors:
+    """Each param group's :data:`HYPER_NAMES` as a float64 vector on each device, kept
+    between steps and refilled where a value changed (a filled number is a kernel
+    argument; a copy from the host could wait for the GPU).
+
+    >>> vectors = HyperVectors()
+    >>> group = {"lr": 0.5, "betas": (0.9, 0.99), "eps": 1e-8}
+    >>> vectors(group, torch.device("cpu")).tolist()
+    [0.5, 0.9, 0.99, 1e-08]
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, torch.device],
+                          tuple[tuple[float | None, ...], torch.Tensor]] = {}  # fmt: skip
+
+    def __call__(self, group: dict[str, Any], device: torch.device) -> torch.Tensor:
+        beta1, beta2 = group["betas"]
+        values = (group["lr"], beta1, beta2, group["eps"])
+        numbers = tuple(None if isinstance(v, torch.Tensor) else float(v) for v in values)
+        key = (id(group), device)
+        old, vector = self._cache.get(key) or (
+            (None,) * len(HYPER_NAMES),
+            torch.empty(len(HYPER_NAMES), dtype=torch.float64, device=device),
+        )
+        for i, (number, value) in enumerate(zip(numbers, values)):
+            if number is None:  # a tensor hyperparameter: copied on the device every step
+                vector[i].copy_(value)
+            elif number != old[i]:
+                vector[i].fill_(number)
+        self._cache[key] = (numbers, vector)
+        return vector
+
+
+def fused_adamw_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why :func:`lean_adamw_fused_` cannot take ``optimizer``'s step, or ``None``: it
     must be ``torch.optim.AdamW`` (or ``Adam`` with decoupled weight decay) without
     ``amsgrad`` or ``differentiable``, with numbers or tensors for its hyperparameters."""
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):

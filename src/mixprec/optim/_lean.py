@@ -12,14 +12,12 @@ import itertools
 from typing import Any
 
 import torch
-import torch.optim.optimizer as _optimizer_module
 
 from mixprec._checks import LOW_PRECISION, check_bool, check_choice
 from mixprec.loss_scale import step_or_skip
 from mixprec.numerics import is_dtensor
 from mixprec.optim._compressed_adamw import _compile_unsupported
 from mixprec.optim._flat_params import FlatParameters
-from mixprec.optim._fused_lean import HYPER_NAMES, fused_kahan_unsupported, kahan_adamw_fused_
 
 __all__ = ["LeanUpdates", "stochastic_round"]
 
@@ -38,6 +36,14 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
                           generator=generator)  # fmt: skip
     rounded = (bits + noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
     return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def _fused() -> Any:
+    """:mod:`mixprec.optim._fused_lean`, imported on first use: it reads split8's bit
+    format, which builds on ``_masters``, which imports this module."""
+    from mixprec.optim import _fused_lean
+
+    return _fused_lean
 
 
 def _device_types(optimizer: torch.optim.Optimizer) -> set[str]:
@@ -84,6 +90,35 @@ def _flat(params: list[torch.Tensor]) -> torch.Tensor:
 def _scatter(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
     """Write ``flat`` (from :func:`_flat`) back into contiguous ``params`` (one kernel)."""
     torch.split_with_sizes_copy(flat, [p.numel() for p in params], out=[p.view(-1) for p in params])
+
+
+def kept_fractions(
+    optimizer: torch.optim.Optimizer,
+    found_inf: torch.Tensor,
+    skip: bool,
+    weight_decay: float | None,
+) -> dict[int, torch.Tensor]:
+    """What decoupled decay keeps of each weight, ``1 - lr * decay`` (1 on a skipped
+    step), by ``id`` of each decayed group and of each of its parameters: a 1-element
+    float32 tensor on ``found_inf``'s device, which, being 1-D, makes a low-precision
+    weight times it float32 in one kernel. Two scalar kernels a group, one unskipped."""
+    kept = {}
+    for group in optimizer.param_groups:
+        decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
+        if not decay:
+            continue
+        shrink = group["lr"] * decay
+        if isinstance(shrink, torch.Tensor):
+            shrink = shrink.to(found_inf.device)
+        if skip:  # 1 - shrink * (1 - found_inf), no host sync
+            fraction = torch.mul(found_inf, shrink).add_(1.0 - shrink)
+        elif isinstance(shrink, torch.Tensor):
+            fraction = 1.0 - shrink
+        else:
+            fraction = torch.full((), 1.0 - shrink, device=found_inf.device)
+        kept[id(group)] = fraction = fraction.to(torch.float32).view(1)
+        kept.update((id(p), fraction) for p in group["params"])
+    return kept
 
 
 class LeanUpdates:
@@ -173,7 +208,7 @@ class LeanUpdates:
             check_bool("fused", fused, hint="or None (compiled with a fused AdamW on a GPU)")
         if fused:
             reason = "it fuses the 'kahan' mode" if mode != "kahan" else (
-                fused_kahan_unsupported(optimizer)
+                _fused().fused_adamw_unsupported(optimizer)
                 or next(filter(None, map(_compile_unsupported, _device_types(optimizer))), None)
             )  # fmt: skip
             if mode != "kahan" or reason:
@@ -182,9 +217,7 @@ class LeanUpdates:
                     f"{reason}; pass fused=None or False"
                 )
         self.optimizer, self.mode, self.seed, self.fused = optimizer, mode, seed, fused
-        # Each group's hyperparameters on each device, and the numbers they were filled with.
-        self._hypers: dict[tuple[int, torch.device],
-                           tuple[tuple[float | None, ...], torch.Tensor]] = {}  # fmt: skip
+        self._hypers = _fused().HyperVectors()  # the fused step's hyperparameters
         self.model_params: list[torch.Tensor] = []
         self._low: list[torch.Tensor] = []
         self.compensation: list[torch.Tensor] = []
@@ -350,96 +383,25 @@ class LeanUpdates:
         return False
 
     def _fuses(self, step_kwargs: dict[str, Any] | None) -> bool:
-        """Whether this step is :func:`~mixprec.optim._fused_lean.kahan_adamw_fused_`'s
-        (see the class docstring): checked each step, as hooks and groups can change."""
-        optimizer = self.optimizer
-        if self.mode != "kahan" or self.fused is False or step_kwargs:
+        """Whether this step is the fused one (see the class docstring)."""
+        if self.mode != "kahan" or step_kwargs:
             return False
-        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-            return False
-        if _optimizer_module._global_optimizer_pre_hooks or (
-            _optimizer_module._global_optimizer_post_hooks
-        ):
-            return False
-        if self.fused:
-            return fused_kahan_unsupported(optimizer) is None
-        return (
-            all(g.get("fused") for g in optimizer.param_groups)
-            and _device_types(optimizer) == {"cuda"}
-            and fused_kahan_unsupported(optimizer) is None
-            and _compile_unsupported("cuda") is None
-        )
+        return bool(_fused().wants_fused(self.optimizer, self.fused))
 
     def _fused_step(
         self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
     ) -> bool:
-        """The kahan step as one compiled function per device (and ``maximize``);
-        returns whether the host saw a skip (only when a first step would create state)."""
-        kept = self._kept_fractions(found_inf, skip, weight_decay)
+        """The kahan step as one compiled function per device; returns whether the host
+        saw a skip (only when a first step would create state)."""
+        kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
         compensation = dict(zip(map(id, self._low), self.compensation))
-        calls: dict[tuple[torch.device, bool], tuple[list[Any], ...]] = {}
-        fresh = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
-                if not self.optimizer.state.get(p):  # (a defaultdict: get adds nothing)
-                    fresh.append(p)
-                lists = calls.setdefault((p.device, bool(group.get("maximize"))),
-                                         tuple([] for _ in range(8)))  # fmt: skip
-                for into, value in zip(lists, (
-                    p.data, compensation.get(id(p)), p.grad, p, p, p,
-                    kept.get(id(p)), self._hyper(group, p.device),
-                )):  # fmt: skip
-                    into.append(value)
-        if fresh:
-            # A skipped first step must create no state (as the inner step would not).
-            if skip and found_inf.item():
-                return True
-            for p in fresh:  # as torch's fused AdamW makes it: its checkpoints load alike
-                self.optimizer.state[p] = {
-                    "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-                }
-        for (device, maximize), lists in calls.items():
-            weights, compensations, grads, _, _, _, kept_list, hypers = lists
-            states = [self.optimizer.state[p] for p in lists[3]]
-            ones = self._one(device)
-            inf = found_inf.to(device) if skip else torch.zeros((), device=device)
-            kahan_adamw_fused_(
-                weights, compensations, grads,
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["step"] for s in states], [k if k is not None else ones for k in kept_list],
-                hypers, inf.to(torch.float32), maximize=maximize,
-            )  # fmt: skip
-        if hasattr(self.optimizer.step, "_wrapped_by_lr_sched"):
-            marked: Any = self.optimizer  # what an LR scheduler's wrapper of step() records
-            marked._opt_called = True
-        return False
-
-    def _hyper(self, group: dict[str, Any], device: torch.device) -> torch.Tensor:
-        """``group``'s :data:`~mixprec.optim._fused_lean.HYPER_NAMES` as a float64 vector
-        on ``device``, kept between steps and refilled where a value changed (a filled
-        number is a kernel argument; a copy from the host could wait for the GPU)."""
-        beta1, beta2 = group["betas"]
-        values = (group["lr"], beta1, beta2, group["eps"])
-        numbers = tuple(float(v) if not isinstance(v, torch.Tensor) else None for v in values)
-        key = (id(group), device)
-        cached = self._hypers.get(key)
-        if cached is None:
-            cached = (tuple(None for _ in HYPER_NAMES),
-                      torch.empty(len(HYPER_NAMES), dtype=torch.float64, device=device))  # fmt: skip
-        old, vector = cached
-        for i, (number, value) in enumerate(zip(numbers, values)):
-            if number is None:  # a tensor hyperparameter: copied on the device every step
-                vector[i].copy_(value)
-            elif number != old[i]:
-                vector[i].fill_(number)
-        self._hypers[key] = (numbers, vector)
-        return vector
+        entries = [
+            (group, p, p.data, compensation.get(id(p)), p.grad, kept.get(id(p)))
+            for group in self.optimizer.param_groups for p in group["params"]
+            if p.grad is not None
+        ]  # fmt: skip
+        return bool(_fused().fused_adamw_step(
+            "kahan", self.optimizer, entries, found_inf, skip, self._hypers))  # fmt: skip
 
     def _one(self, device: torch.device) -> torch.Tensor:
         one = self._ones.get(device)
@@ -450,27 +412,7 @@ class LeanUpdates:
     def _kept_fractions(
         self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
     ) -> dict[int, torch.Tensor]:
-        """What decoupled decay keeps of each weight, ``1 - lr * decay`` (1 on a skipped
-        step), by ``id`` of each decayed group and of each of its parameters: a 1-element
-        float32 tensor on ``found_inf``'s device, which, being 1-D, makes a low-precision
-        weight times it float32 in one kernel. Two scalar kernels a group, one unskipped."""
-        kept = {}
-        for group in self.optimizer.param_groups:
-            decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
-            if not decay:
-                continue
-            shrink = group["lr"] * decay
-            if isinstance(shrink, torch.Tensor):
-                shrink = shrink.to(found_inf.device)
-            if skip:  # 1 - shrink * (1 - found_inf), no host sync
-                fraction = torch.mul(found_inf, shrink).add_(1.0 - shrink)
-            elif isinstance(shrink, torch.Tensor):
-                fraction = 1.0 - shrink
-            else:
-                fraction = torch.full((), 1.0 - shrink, device=found_inf.device)
-            kept[id(group)] = fraction = fraction.to(torch.float32).view(1)
-            kept.update((id(p), fraction) for p in group["params"])
-        return kept
+        return kept_fractions(self.optimizer, found_inf, skip, weight_decay)
 
     def _buffers(self) -> dict[int, torch.Tensor]:
         """Each run's buffer storage for this step: kahan's compensation, or zeros."""
