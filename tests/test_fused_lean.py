@@ -271,3 +271,107 @@ def test_loss_scale_optimizer_takes_the_fused_step_with_its_options(trained):
     opt.scale_loss(_loss(model, *trained["data"][0]) * float("inf")).backward()
     opt.step()
     assert int(opt.skipped_steps) == 1 and _equal(before, model.state_dict())
+
+
+# ----------------------------------------------------------------------------- split8
+
+
+def _split8(model, fused, **options):
+    inner = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    opt = LossScaleOptimizer(inner, loss_scale=None, master_weights="split8", **options)
+    opt._master.fused = fused
+    return opt
+
+
+def _train_split8(model, opt, data, clip=False):
+    for x, y in data:
+        opt.zero_grad()
+        opt.scale_loss(_loss(model, x, y)).backward()
+        if clip:  # torch's clipping recipe: the masters are shown, so the step is eager
+            opt.unscale_()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def split8_trained():
+    data = _data(20)
+    runs = {}
+    for fused in (True, False):
+        model = _model()
+        opt = _split8(model, fused)
+        taken = []
+        for x, y in data:
+            opt.zero_grad()
+            opt.scale_loss(_loss(model, x, y)).backward()
+            taken.append(opt._fused_master(False, None) is not None)
+            opt.step()
+        runs[fused] = (model, opt, taken)
+    return runs, data
+
+
+def test_fused_split8_steps_as_the_eager_masters_do(split8_trained):
+    runs, _ = split8_trained
+    (fused, fused_opt, taken), (eager, eager_opt, not_taken) = runs[True], runs[False]
+    assert all(taken) and not any(not_taken)
+    for p, q in zip(fused.parameters(), eager.parameters()):
+        if p.dtype == torch.bfloat16:  # the same rounded weights (FMA may move a tie)
+            assert (p.float() - q.float()).abs().le(p.float().abs() * 2**-7).all()
+        else:
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
+    codes = [(a.int() - b.int()).abs().max() for a, b in
+             zip(fused_opt._master.corrections, eager_opt._master.corrections)]  # fmt: skip
+    assert max(codes) <= 2
+    # No float32 master or master gradient was made: the masters stay released.
+    assert all(m.numel() == 0 and m.grad is None for m in fused_opt._master.masters
+               if m.dtype == torch.float32 and m not in set(fused.parameters()))  # fmt: skip
+
+
+def test_fused_split8_checkpoints_load_into_the_eager_step_and_back(split8_trained):
+    runs, data = split8_trained
+    model, opt, _ = runs[True]
+    for fused in (False, True):
+        clone = _model()
+        clone.load_state_dict(model.state_dict())
+        clone_opt = _split8(clone, fused)
+        clone_opt.load_state_dict(opt.state_dict())
+        assert all(torch.equal(a, b) for a, b in
+                   zip(clone_opt._master.corrections, opt._master.corrections))  # fmt: skip
+        _train_split8(clone, clone_opt, data[:2])
+        assert int(clone_opt.iterations) == int(opt.iterations) + 2
+
+
+def test_fused_split8_folds_the_wrappers_weight_decay_into_one_factor():
+    """``1 - lr * (a + b)`` where the eager step multiplies ``(1 - lr * a)(1 - lr * b)``:
+    the same to within float32 rounding a step."""
+    runs = []
+    for fused in (True, False):
+        model = _model()
+        _train_split8(model, _split8(model, fused, weight_decay=0.5), _data(3))
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.allclose(p.float(), q.float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("options", "clip"),
+    [({}, True), ({"clipnorm": 1.0}, False), ({"gradient_accumulation_steps": 2}, False)],
+)
+def test_steps_that_need_float32_masters_take_the_eager_path(options, clip, monkeypatch):
+    model = _model()
+    opt = _split8(model, True, **options)
+    monkeypatch.setattr(opt._master, "fused_step", None)  # any fused step would fail
+    before = [p.detach().clone() for p in model.parameters()]
+    _train_split8(model, opt, _data(2), clip=clip)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_fused_split8_skips_a_nonfinite_step_and_changes_nothing(split8_trained):
+    runs, data = split8_trained
+    model, opt, _ = runs[True]
+    before = copy.deepcopy((model.state_dict(), opt.inner_optimizer.state_dict()))
+    opt.zero_grad()
+    opt.scale_loss(_loss(model, *data[0]) * float("nan")).backward()
+    opt.step()
+    assert bool(opt.last_step_skipped)
+    assert _equal(before, (model.state_dict(), opt.inner_optimizer.state_dict()))

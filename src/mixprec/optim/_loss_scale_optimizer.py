@@ -539,11 +539,14 @@ class LossScaleOptimizer(OptimizerWrapper):
             self._master.show_masters_in_model()
         return self._unscaled_found_inf
 
-    def _unscale(self, params: list[torch.Tensor], unscaled: bool) -> torch.Tensor:
-        """Copy to masters, unscale (unless ``unscaled``) and check; return ``found_inf``."""
+    def _unscale(
+        self, params: list[torch.Tensor], unscaled: bool, fused: bool = False
+    ) -> torch.Tensor:
+        """Copy to masters (unless a ``fused`` step reads the model's gradients), unscale
+        (unless ``unscaled``) and check; return ``found_inf``."""
         if not unscaled and not self.loss_scaler.take_scaled(self):
             refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
-        if self._master is not None:
+        if self._master is not None and not fused:
             self._master.grads_to_masters()
         coalesce_sparse_half_grads_(params)
         grads = [p.grad for p in params]
@@ -561,11 +564,13 @@ class LossScaleOptimizer(OptimizerWrapper):
             grads = [p.grad for p in self._master.model_params]
         return self.loss_scaler.unscale_(grads, self._factor(), scale=used)
 
-    def _prepare(self, params: list[torch.Tensor], unscaled: bool = False) -> torch.Tensor | None:
+    def _prepare(
+        self, params: list[torch.Tensor], unscaled: bool = False, fused: bool = False
+    ) -> torch.Tensor | None:
         """Unscale and check this step's gradients; ``None`` if the window is not full."""
         found_inf, self._unscaled_found_inf = self._unscaled_found_inf, None
         if found_inf is None:
-            found_inf = self._unscale(params, unscaled)
+            found_inf = self._unscale(params, unscaled, fused)
         elif isinstance(self._master, MasterWeights):  # unscale_() showed the masters
             self._master.restore_model()  # the gradients as the user left them
         if self._accumulator is not None:
@@ -573,14 +578,32 @@ class LossScaleOptimizer(OptimizerWrapper):
         # All ranks' verdict, before anything is applied (None: the window is not full).
         return agree_on_found_inf(found_inf, self.process_group)
 
+    def _fused_master(self, unscaled: bool, step_kwargs: dict[str, Any] | None) -> Any:
+        """The ``"split8"`` masters when this step can be their fused one (no float32
+        master needed in memory: see ``Split8MasterWeights.fused``), else ``None``."""
+        master = self._master
+        if (
+            not hasattr(master, "fused_step")
+            or unscaled
+            or step_kwargs
+            or self._unscaled_found_inf is not None
+            or self._accumulator is not None
+            or (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None)
+            or not (self.loss_scaler.fixed_at_one and self._factor() == 1.0)
+        ):
+            return None
+        return master if master.fuses() else None
+
     def _apply(
         self,
         params: list[torch.Tensor],
         found_inf: torch.Tensor,
         step_kwargs: dict[str, Any] | None = None,
+        fused: Any = None,
     ) -> bool:
         """Clip, decay, step (or skip), EMA, copy back, count; leave the scale alone.
-        Returns whether the step is known on the host to have been skipped."""
+        Returns whether the step is known on the host to have been skipped. ``fused``:
+        the masters whose fused step this is (decay folded in, nothing to copy back)."""
         if not self.skip_nonfinite:
             found_inf = torch.zeros_like(found_inf)
         # 1 on an applied step, 0 on a skipped one: decay and EMA multiply by it.
@@ -589,9 +612,14 @@ class LossScaleOptimizer(OptimizerWrapper):
         with torch.no_grad():
             if (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None):
                 self._clip(params)  # norms are the whole model's, across shards
-            if self.decoupled_weight_decay and lean is None and applied is not None:
+            if (
+                self.decoupled_weight_decay and lean is None and fused is None
+                and applied is not None
+            ):  # fmt: skip
                 decay_(self._inner.param_groups, self.decoupled_weight_decay, applied)
-        if lean is None:
+        if fused is not None:
+            skipped = fused.fused_step(found_inf, self.skip_nonfinite, self.decoupled_weight_decay)
+        elif lean is None:
             _, skipped = step_or_skip(
                 self._inner, found_inf, skip=self.skip_nonfinite, kwargs=step_kwargs
             )
@@ -601,7 +629,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             )
         if self._ema is not None and applied is not None:
             self._ema.update(params, applied, self._counters.applied.to(applied.device))
-        if self._master is not None:
+        if self._master is not None and fused is None:
             self._master.masters_to_model()
         self._counters.record(found_inf)
         return skipped
@@ -622,10 +650,11 @@ class LossScaleOptimizer(OptimizerWrapper):
     def _step(self, unscaled: bool = False, step_kwargs: dict[str, Any] | None = None) -> None:
         """The step on the gradients in ``.grad``: still scaled, or already ``unscaled``."""
         params = self._stepped_params()
-        found_inf = self._prepare(params, unscaled)
+        fused = self._fused_master(unscaled, step_kwargs)
+        found_inf = self._prepare(params, unscaled, fused is not None)
         if found_inf is None:  # inside an accumulation window: nothing changes yet
             return
-        skipped = self._apply(params, found_inf, step_kwargs)
+        skipped = self._apply(params, found_inf, step_kwargs, fused)
         self.loss_scaler.update(found_inf=found_inf)
         self.loss_scaler.observe_step(skipped)  # may raise ScaleCollapseError
 
