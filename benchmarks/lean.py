@@ -6,8 +6,8 @@ where installed, ``torch-optimi``'s Kahan-summation AdamW on the same bfloat16 m
 ``split8`` and ``split8-8bit`` are :class:`~mixprec.optim.Split8MasterWeights` (bfloat16
 weight + int8 correction, the update in float32) around torch's AdamW and around
 :class:`~mixprec.optim.AdamW8bit` (8-bit moments; ``split8-8bit-fused``, not run by
-default, compiles its step); ``kahan-fused`` (not run by default) is the lean level's
-compiled kahan step; ``--modes`` runs a subset.
+default, compiles its step); ``kahan-fused`` and ``split8-fused`` (not run by
+default) are the compiled kahan and split8 steps; ``--modes`` runs a subset.
 Per mode: bytes per parameter (live tensor storage after training: parameters,
 optimizer state, masters or buffers), the optimizer step's time as the median of its
 per-step ratios to float32 masters (``fp32``; the modes of a seed train in lockstep,
@@ -46,9 +46,9 @@ __all__ = ["held_bytes_per_param", "run"]
 MODES = ("float32", "fp32", "split", "kahan", "stochastic", "split8", "split8-8bit", "bf16",
          "optimi-kahan")
 #: Not run by default, as their first step compiles (``torch.compile``):
-#: ``AdamW8bit(fused=True)``, and the lean level's compiled kahan step (the default with
+#: ``AdamW8bit(fused=True)``, and the compiled kahan and split8 steps (the default with
 #: ``AdamW(fused=True)`` on a GPU).
-EXTRA_MODES = ("split8-8bit-fused", "kahan-fused")
+EXTRA_MODES = ("split8-8bit-fused", "kahan-fused", "split8-fused")
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,12 +72,14 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float) -> Any:
                              kahan_sum=True)  # fmt: skip
         return LossScaleOptimizer(inner)
     if mode.startswith("split8"):  # built directly: the masters around the inner step
-        if mode == "split8":
-            inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        if mode in ("split8", "split8-fused"):
+            inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=mode != "split8")
         else:
             inner = AdamW8bit(params, lr=lr, weight_decay=0.0, fused=True if mode.endswith("fused") else None)
-        opt = LossScaleOptimizer(inner)
+        # The fused step reads the model's gradients: bfloat16 without loss scaling.
+        opt = LossScaleOptimizer(inner, loss_scale=None if mode == "split8-fused" else "dynamic")
         opt._master = Split8MasterWeights(inner)
+        opt._master.fused = mode == "split8-fused"  # compiled on any device, as on a GPU
         return opt
     if mode == "kahan-fused":
         inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)

@@ -121,6 +121,7 @@ from mixprec import numerics
 from mixprec.optim import _fused_lean
 from mixprec.optim._flat_params import is_dense
 from mixprec.optim._lean import LeanUpdates
+from mixprec.optim._split8 import Split8MasterWeights
 
 __all__ = [
     "MTA_CHUNK",
@@ -493,7 +494,7 @@ class Variant:
     scaler: str | None = None  # with autocast: "torch" or "mixprec" GradScaler
     master_weights: str | None = None
     adamw8bit: bool = False  # mixprec.optim.AdamW8bit instead of torch's fused AdamW
-    fused: bool = False  # lean: the compiled kahan step, as on a GPU with AdamW(fused=True)
+    fused: bool = False  # kahan, split8: the compiled step, as on a GPU with AdamW(fused=True)
 
     @property
     def anchor(self) -> str:
@@ -513,6 +514,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("lean fused bf16", _BF16, "lean", fused=True),
     Variant("lean stochastic bf16", _BF16, "lean", master_weights="stochastic"),
     Variant("O2 split8 bf16", _BF16, "O2", master_weights="split8"),
+    Variant("O2 split8 fused bf16", _BF16, "O2", master_weights="split8", fused=True),
     Variant("O2 split8+AdamW8bit bf16", _BF16, "O2", master_weights="split8", adamw8bit=True),
     Variant("rewrite bf16", _BF16, "rewrite"),
     Variant("autocast+GradScaler fp16", _FP16, scaler="torch"),
@@ -599,7 +601,7 @@ def prepare(variant: Variant, factory: Callable[[], nn.Module], example_x: torch
         kwargs["master_weights"] = variant.master_weights
     model, opt = amp.initialize(model, inner, level=variant.level, dtype=variant.dtype, **kwargs)
     if variant.fused:  # the GPU's default for a fused AdamW, asked for on any device
-        assert isinstance(opt._master, LeanUpdates)
+        assert isinstance(opt._master, LeanUpdates | Split8MasterWeights)
         opt._master.fused = True
     return Prepared(variant, model, opt)
 
