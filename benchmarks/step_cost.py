@@ -383,6 +383,13 @@ class PhaseTally:
             self.by_op[name] += cost.launches
 
 
+def _live_tensors() -> list[torch.Tensor]:
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if torch.is_tensor(o)]
+
+
 class _LiveStorages:
     """Bytes of live tensor storages, followed op by op: a running total and its peak."""
 
@@ -393,13 +400,10 @@ class _LiveStorages:
         self._finalizers: list[weakref.finalize] = []
 
     def start(self, extra: Sequence[torch.Tensor] = ()) -> None:
-        gc.collect()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            found = [o for o in gc.get_objects() if torch.is_tensor(o)]
-        for t in (*found, *extra):
+        for t in (*_live_tensors(), *extra):
             self.see(t)
         self.peak = self.current
+
 
     def see(self, t: torch.Tensor) -> None:
         if type(t) not in (torch.Tensor, nn.Parameter) or t.is_meta:
@@ -451,7 +455,9 @@ class StepCounter(TorchDispatchMode):
         cost = op_cost(func, args, kwargs, out, self.limits)
         self.tallies[self.phase].add(func.overloadpacket.__name__, cost)
         if self.memory is not None:
-            for t in _tensors(out):
+            # What an op writes in place is live too: a storage may have grown without
+            # an op (O2's kept master-gradient buffer, regrown with ``resize_``).
+            for t in (*_tensors(out), *_written_in_place(func, args, kwargs)):
                 self.memory.see(t)
         return out
 
