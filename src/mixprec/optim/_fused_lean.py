@@ -183,19 +183,7 @@ def _compiled() -> Any:
     return torch.compile(_lean_adamw_math_, fullgraph=True, dynamic=False, options=options)
 
 
-def lean_adamw_fused_(
-    mode: str,
-    weights: list[torch.Tensor],
-    extras: list[Any],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    kept: list[torch.Tensor],
-    hypers: list[torch.Tensor],
-    found_inf: torch.Tensor,
-    maximize: bool = False,
-) -> None:
+def lean_adamw_fused_(mode: str, *args: Any) -> None:
     """:func:`kahan_adamw_` (``mode="kahan"``) or :func:`split8_adamw_` (``"split8"``),
     same arguments after ``mode``, with the elementwise math through ``torch.compile``:
     one loop per parameter that reads and writes each tensor once, side by side in a
@@ -203,11 +191,10 @@ def lean_adamw_fused_(
     (a FLOP counter, a debugging mode) the eager math runs, as ``torch.compile``
     itself would, so the mode sees the step's ops; a profiler sees the step as
     ``mixprec.lean_adamw``."""
-    args = (mode, weights, extras, grads, exp_avgs, exp_avg_sqs, steps, kept, hypers,
-            found_inf, maximize)  # fmt: skip
+    steps, found_inf = args[5], args[8]  # (weights, extras, grads, m, v, steps, kept, hypers, found_inf)
     with torch.profiler.record_function("mixprec.lean_adamw"):
         math = _lean_adamw_math_ if _get_current_dispatch_mode() is not None else _compiled()
-        math(*args)
+        math(mode, *args)
         torch._foreach_add_(steps, 1.0 - found_inf)
 
 
