@@ -209,7 +209,13 @@ def wants_fused(optimizer: torch.optim.Optimizer, fused: bool | None) -> bool:
 
     from mixprec.optim._compressed_adamw import _compile_unsupported
 
-    if fused is False or fused_adamw_unsupported(optimizer) is not None:
+    if fused is False:
+        return False
+    if fused is None and not (  # the default: cheap checks first, as this runs every step
+        all(g.get("fused") for g in optimizer.param_groups)
+        and {p.device.type for g in optimizer.param_groups for p in g["params"]} == {"cuda"}
+        and _compile_unsupported("cuda") is None
+    ):
         return False
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
         return False
@@ -217,14 +223,7 @@ def wants_fused(optimizer: torch.optim.Optimizer, fused: bool | None) -> bool:
         optimizer_module._global_optimizer_post_hooks
     ):
         return False
-    if fused:
-        return True
-    devices = {p.device.type for g in optimizer.param_groups for p in g["params"]}
-    return (
-        all(g.get("fused") for g in optimizer.param_groups)
-        and devices == {"cuda"}
-        and _compile_unsupported("cuda") is None
-    )
+    return fused_adamw_unsupported(optimizer) is None
 
 
 #: One parameter of a fused step: its group, the tensor its optimizer state is kept
