@@ -35,7 +35,7 @@ or not) and optimizer (``step()``, the scaler's ``update()``, ``zero_grad()``).
   (devices, dtypes, layouts or strides that differ across its lists; ``_foreach_copy_``
   may change dtype) runs one kernel per tensor;
 - ``_local_scalar_dense`` (``.item()``): 1 (a device-to-host copy that also syncs).
-- the compiled lean steps (``"lean fused"`` and ``"split8 fused"`` rows:
+- the compiled master-weight steps (``"lean fused"``, ``"O2 fused"`` and ``"split8 fused"`` rows:
   :func:`mixprec.optim._fused_lean.lean_adamw_fused_`, the default with
   ``AdamW(fused=True)`` on a GPU) are priced as the kernels inductor generates for
   them (:func:`fused_lean_cost`): one loop per
@@ -121,7 +121,7 @@ from mixprec import numerics
 from mixprec.optim import _fused_lean
 from mixprec.optim._flat_params import is_dense
 from mixprec.optim._lean import LeanUpdates
-from mixprec.optim._split8 import Split8MasterWeights
+from mixprec.optim._masters import MasterWeights
 
 __all__ = [
     "MTA_CHUNK",
@@ -471,7 +471,7 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     (:func:`mixprec.optim._fused_lean._lean_adamw_math_`, positional ``args``): every
     tensor it is given read once, the weights, compensations or corrections and
     moments written once, in one loop per parameter and :data:`COMBO_NODES` loops per
-    launch.
+    launch. Float32 masters' model weights (``"fp32"``'s extras) are written only.
 
     >>> w = [torch.ones(4, dtype=torch.bfloat16)]
     >>> cost = fused_lean_cost(("kahan", w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
@@ -480,7 +480,8 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     (1, 60)
     """
     weights, extras, _, exp_avgs, exp_avg_sqs = args[1:6]
-    read = _unique(list(_tensors(list(args[1:10]))))
+    write_only = {id(e) for e in extras if e is not None} if args[0] == "fp32" else set()
+    read = [t for t in _unique(list(_tensors(list(args[1:10])))) if id(t) not in write_only]
     written = _unique([*weights, *(c for c in extras if c is not None),
                        *exp_avgs, *exp_avg_sqs])  # fmt: skip
     launches = -(-len(weights) // COMBO_NODES)
@@ -514,6 +515,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("autocast+mixprec.GradScaler bf16", _BF16, scaler="mixprec"),
     Variant("O1 bf16", _BF16, "O1"),
     Variant("O2 bf16", _BF16, "O2"),
+    Variant("O2 fused bf16", _BF16, "O2", fused=True),
     Variant("O2 split bf16", _BF16, "O2", master_weights="split"),
     Variant("O3 bf16", _BF16, "O3"),
     Variant("lean bf16", _BF16, "lean"),
@@ -607,7 +609,7 @@ def prepare(variant: Variant, factory: Callable[[], nn.Module], example_x: torch
         kwargs["master_weights"] = variant.master_weights
     model, opt = amp.initialize(model, inner, level=variant.level, dtype=variant.dtype, **kwargs)
     if variant.fused:  # the GPU's default for a fused AdamW, asked for on any device
-        assert isinstance(opt._master, LeanUpdates | Split8MasterWeights)
+        assert isinstance(opt._master, LeanUpdates | MasterWeights)
         opt._master.fused = True
     return Prepared(variant, model, opt)
 

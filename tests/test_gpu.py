@@ -101,3 +101,42 @@ def test_o3_bfloat16_unscales_bfloat16_gradients_on_cuda():
     opt.scale_loss(F.cross_entropy(model(x).float(), y)).backward()
     opt.step()
     assert model[0].weight.dtype == torch.bfloat16 and int(opt.iterations) == 1
+
+
+def _fused_or_eager(mode: str, fused: bool | None):
+    """A bfloat16 MLP with ``mode``'s masters and ``AdamW(fused=True)``; ``fused=None``
+    leaves the choice to the default (the compiled step on a GPU)."""
+    model = _mlp().bfloat16()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    opt = LossScaleOptimizer(inner, loss_scale=None, master_weights=mode)
+    if fused is not None:
+        opt._master.fused = fused
+    return model, opt
+
+
+@pytest.mark.parametrize("mode", ["kahan", "split8", "fp32"])
+def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
+    """With AdamW(fused=True) on a GPU the compiled step is taken (one elementwise
+    function per step); it trains as the eager step does and, after the first step
+    (which creates the state and reads the skip once), never waits for the GPU."""
+    x = torch.randn(32, 64, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    runs = []
+    for fused in (None, False):
+        model, opt = _fused_or_eager(mode, fused)
+        for i in range(6):
+            loss = F.cross_entropy(model(x.bfloat16()).float(), y)
+            opt.scale_loss(loss).backward()
+            if fused is None and mode != "kahan":
+                assert opt._fused_master(False, None) is not None
+            elif fused is None:
+                assert opt._master._fuses(None)
+            torch.cuda.set_sync_debug_mode("error" if i > 0 and fused is None else "default")
+            try:
+                opt.step()
+                opt.zero_grad()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        runs.append(model)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.allclose(p.float(), q.float(), rtol=2**-6, atol=1e-4)

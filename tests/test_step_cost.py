@@ -181,6 +181,21 @@ def test_the_compiled_lean_step_is_priced_as_one_read_and_write_of_each_tensor()
     assert fused["bytes_per_param_step_peak"] < eager["bytes_per_param_step_peak"]
 
 
+def test_the_compiled_o2_step_holds_no_float32_master_gradient():
+    """The O2 fused row: the masters are stepped from the model's bfloat16 gradients
+    (28 bytes per parameter in one loop), so the step's peak is autocast's 16 bytes
+    per parameter, not O2's 20, and fewer bytes move than in the eager O2 step."""
+    fused, eager = _tiny_counts("O2 fused bf16"), _tiny_counts("O2 bf16")
+    phase = fused["phases"]["optimizer"]
+    launches = dict(phase["top_launches"])
+    assert launches["fp32_adamw (compiled)"] == math.ceil(19 / step_cost.COMBO_NODES)
+    assert "_fused_adamw_" not in launches and "_foreach_copy_" not in launches
+    assert phase["bytes"] < eager["phases"]["optimizer"]["bytes"]
+    assert fused["bytes_per_param_at_rest"] == pytest.approx(14.0, abs=0.05)
+    assert fused["bytes_per_param_step_peak"] == pytest.approx(16.0, abs=0.05)
+    assert eager["bytes_per_param_step_peak"] == pytest.approx(20.0, abs=0.1)
+
+
 def test_lean_optimizer_launches_do_not_grow_with_parameter_tensors():
     """The lean step gathers, rounds and scatters runs of parameters: what it adds to O3's
     optimizer phase is the same for a model of 8 tensors as for one of 64."""

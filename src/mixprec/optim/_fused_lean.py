@@ -12,6 +12,11 @@ split, and the skip on ``found_inf``. Compiled (:func:`lean_adamw_fused_`), each
 tensor is read once and written once: 18 bytes per bfloat16 parameter for kahan
 (weight, compensation, gradient and bfloat16 moments: 10 read, 8 written), 24 for
 split8 (weight, int8 correction, gradient, float32 moments: 13 read, 11 written).
+Float32 masters (``mode="fp32"``, O2's ``master_weights="fp32"``) step the same way:
+the master and its moments read and written, the model's gradient read and its
+rounded weight written, 28 bytes per bfloat16 parameter, with no float32 master
+gradient in memory (the eager O2 step copies the gradients into one, checks them,
+steps and copies back: about 40 bytes and 4 more per parameter at its peak).
 
 Each function is its own eager reference. The kahan one differs from the eager lean
 step in one rounding: the eager step rounds ``c - update`` to bfloat16 (the inner
@@ -140,7 +145,17 @@ def _lean_adamw_math_(
 ) -> None:
     """:func:`kahan_adamw_` (``mode="kahan"``, ``extras`` the compensations) or
     :func:`split8_adamw_` (``"split8"``, the corrections) without advancing ``steps``
-    (it reads them): the part that compiles into one loop per parameter."""
+    (it reads them): the part that compiles into one loop per parameter.
+
+    ``mode="fp32"`` is float32 masters' step (``master_weights="fp32"``): ``weights``
+    are the masters, ``extras`` the model's low-precision weights (``None`` where the
+    parameter is its own master), written and never read, and ``grads`` the model's
+    own gradients, widened in the loop, so no float32 master gradient exists::
+
+        master = master * kept - update;  weight = round(master)
+
+    A skipped step writes back ``round(master)``, which is the weight already (the
+    masters adopt every edit of the model before the step)."""
     applied = 1.0 - found_inf
     skip = found_inf != 0
     for i, (w, g, m, v, step) in enumerate(zip(weights, grads, exp_avgs, exp_avg_sqs, steps)):
@@ -156,7 +171,11 @@ def _lean_adamw_math_(
         split8 = mode == "split8" and extra is not None
         start = join8_bits(w, extra) if split8 else w.float()
         total = start * kept[i].reshape(()) - update  # 0-dim: a 0-dim weight stays so
-        if split8:
+        if mode == "fp32" and extra is not None:
+            total = torch.where(skip, w, total)
+            w.copy_(total)
+            extra.copy_(total.to(extra.dtype))
+        elif split8:
             rounded = total.to(w.dtype)
             extra.copy_(torch.where(skip, extra, split8_bits(total, rounded)))
             w.copy_(torch.where(skip, w, rounded))
@@ -184,8 +203,9 @@ def _compiled() -> Any:
 
 
 def lean_adamw_fused_(mode: str, *args: Any) -> None:
-    """:func:`kahan_adamw_` (``mode="kahan"``) or :func:`split8_adamw_` (``"split8"``),
-    same arguments after ``mode``, with the elementwise math through ``torch.compile``:
+    """:func:`kahan_adamw_` (``mode="kahan"``), :func:`split8_adamw_` (``"split8"``)
+    or float32 masters' step (``"fp32"``: :func:`_lean_adamw_math_`), same arguments
+    after ``mode``, with the elementwise math through ``torch.compile``:
     one loop per parameter that reads and writes each tensor once, side by side in a
     few launches on a GPU (inductor's combo kernels). Under a ``TorchDispatchMode``
     (a FLOP counter, a debugging mode) the eager math runs, as ``torch.compile``

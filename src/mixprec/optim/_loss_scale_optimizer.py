@@ -579,11 +579,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         return agree_on_found_inf(found_inf, self.process_group)
 
     def _fused_master(self, unscaled: bool, step_kwargs: dict[str, Any] | None) -> Any:
-        """The ``"split8"`` masters when this step can be their fused one (no float32
-        master needed in memory: see ``Split8MasterWeights.fused``), else ``None``."""
+        """The masters when this step can be their fused one (no float32 master
+        gradient needed in memory: see ``MasterWeights.fused``), else ``None``."""
         master = self._master
         if (
-            not hasattr(master, "fused_step")
+            not isinstance(master, MasterWeights)
             or unscaled
             or step_kwargs
             or self._unscaled_found_inf is not None

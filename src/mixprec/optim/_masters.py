@@ -101,8 +101,22 @@ class MasterWeights:
                 "or leave master_weights=False"
             )
 
+    #: The fused step (:meth:`fused_step`; docs/guides/master-weights.md, "The fused
+    #: step"): ``None`` (the default) with ``torch.optim.AdamW(fused=True)`` on a GPU,
+    #: ``True`` wherever ``torch.compile`` runs, ``False`` never.
+    #: ``LossScaleOptimizer`` takes it on steps that need no float32 master gradients
+    #: in memory: no ``unscale_()`` call, clipping option, gradient accumulation or loss
+    #: scale other than 1 (bfloat16 without loss scaling).
+    fused: bool | None = None
+
+    #: What :meth:`fused_step` computes (a mode of ``_fused_lean._lean_adamw_math_``);
+    #: ``None``: this mode has no fused step.
+    _fused_mode: str | None = "fp32"
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.check(optimizer)
+        self.optimizer = optimizer
+        self._hypers: Any = None  # the fused step's hyperparameter vectors, on first use
         self.model_params: list[torch.Tensor] = []
         self.masters: list[torch.Tensor] = []
         for group in optimizer.param_groups:
@@ -313,6 +327,57 @@ class MasterWeights:
                 torch._foreach_copy_(local_shards(models), local_shards(masters))
         self._mark_model_current()
 
+    # -- the fused step ---------------------------------------------------------------
+
+    def fuses(self) -> bool:
+        """Whether the next step can be the fused one (:attr:`fused`): this mode has
+        one, its parameters are plain tensors (sharded masters copy shard to shard)
+        and none shows its master (``unscale_()`` was not called)."""
+        if self._fused_mode is None or self._shown or self._written:
+            return False
+        from mixprec.optim import _fused_lean  # it imports the lean modes, which import this
+
+        return _fused_lean.wants_fused(self.optimizer, self.fused) and self._fusable()
+
+    def _fusable(self) -> bool:
+        return not any(is_dtensor(p) or is_flat_shard(p) for p, _ in self._low)
+
+    def fused_step(
+        self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
+    ) -> bool:
+        """Step the masters with one compiled function per device from the model's own
+        gradients (decoupled decay, the inner optimizer's and ``weight_decay``, folded
+        in) and write the rounded weights into the model: no float32 master gradient
+        and no copy back. Returns whether the host saw a skip."""
+        from mixprec.optim import _fused_lean
+        from mixprec.optim._lean import kept_fractions
+
+        if self._hypers is None:
+            self._hypers = _fused_lean.HyperVectors()
+        kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
+        with torch.no_grad():
+            skipped = _fused_lean.fused_adamw_step(
+                self._fused_mode or "", self.optimizer, self._fused_entries(kept), found_inf,
+                skip, self._hypers,
+            )  # fmt: skip
+        self._mark_model_current()
+        return bool(skipped)
+
+    def _fused_entries(self, kept: dict[int, torch.Tensor]) -> list[Any]:
+        """:func:`~mixprec.optim._fused_lean.fused_adamw_step`'s entries: per parameter
+        with a gradient, (group, master, master, the model's weight or ``None`` for a
+        float32 parameter, the model's gradient, what decay keeps)."""
+        self.adopt_model_edits()
+        models = {id(m): p for p, m in self._low}
+        entries = []
+        for group in self.optimizer.param_groups:
+            for m in group["params"]:
+                p = models.get(id(m), m)
+                if p.grad is not None:
+                    weight = None if p is m else p.data
+                    entries.append((group, m, m.data, weight, p.grad, kept.get(id(m))))
+        return entries
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model parameters' gradients (the masters' are overwritten each step)."""
         self.restore_model()
@@ -432,6 +497,7 @@ class SplitMasterWeights(MasterWeights):
     """
 
     mode = "split"
+    _fused_mode = None  # the tie bits, eight to a byte, are not elementwise
 
     @classmethod
     def check(cls, optimizer: torch.optim.Optimizer) -> None:

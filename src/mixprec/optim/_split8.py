@@ -139,19 +139,9 @@ class Split8MasterWeights(SplitMasterWeights):
 
     mode = "split8"
 
-    #: The fused step (:func:`~mixprec.optim._fused_lean.split8_adamw_` compiled: each
-    #: weight, correction, gradient and moment read and written once, no float32 master
-    #: or master gradient in memory): ``None`` (the default) with
-    #: ``torch.optim.AdamW(fused=True)`` on a GPU, ``True`` wherever ``torch.compile``
-    #: runs, ``False`` never. ``LossScaleOptimizer`` takes it on steps that need no
-    #: float32 masters in memory: no ``unscale_()`` call, clipping option, gradient
-    #: accumulation or loss scale other than 1 (bfloat16 without loss scaling).
-    fused: bool | None = None
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(optimizer)
-        self.optimizer = optimizer
-        self._hypers: Any = None  # the fused step's hyperparameter vectors, on first use
+    # The fused step (:attr:`fused`) reads and writes each weight, int8 correction,
+    # gradient and moment once: no float32 master or master gradient is built.
+    _fused_mode = "split8"
 
     # The base class keeps one flat buffer per (device, dtype) group and rebuilds or
     # splits a whole group in a few kernels; this mode only changes what is kept.
@@ -162,47 +152,27 @@ class Split8MasterWeights(SplitMasterWeights):
     def _join_flat(self, weights: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
         return join8_bits(weights, kept)
 
-    def fuses(self) -> bool:
-        """Whether the next step can be the fused one (:attr:`fused`), the masters
-        released and every group's weights held in one flat tensor."""
-        from mixprec.optim import _fused_lean  # it reads this module's bit format
+    def _fusable(self) -> bool:
+        """The masters released and every group's weights held in one flat tensor."""
+        return self._halves is not None and all(w.held for w in self._flat_weights())
 
-        return (
-            self._halves is not None
-            and _fused_lean.wants_fused(self.optimizer, self.fused)
-            and all(w.held for w in self._flat_weights())
-        )
-
-    def fused_step(
-        self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
-    ) -> bool:
-        """Step the masters without rebuilding them: the model's weights and their
-        corrections are read and written in place by one compiled function per device,
-        from the model's own gradients (decoupled decay, the inner optimizer's and
-        ``weight_decay``, folded in). Returns whether the host saw a skip."""
-        from mixprec.optim import _fused_lean  # it reads this module's bit format
-        from mixprec.optim._lean import kept_fractions
-
+    def _fused_entries(self, kept: dict[int, torch.Tensor]) -> list[Any]:
+        """Per parameter with a gradient: (group, master, the model's weight, its int8
+        correction or ``None`` for a float32 parameter, its gradient, what decay keeps);
+        the weights and corrections are stepped in place."""
         assert self._halves is not None
-        if self._hypers is None:
-            self._hypers = _fused_lean.HyperVectors()
-        kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
         parts: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for (models, masters), weights, flat in zip(self._grouped(), self._flat_weights(),
                                                     self._halves):  # fmt: skip
             for p, m, q in zip(models, masters, weights.views_of(flat)):
                 parts[id(m)] = (p, q)
         entries = []
-        with torch.no_grad():
-            for group in self.optimizer.param_groups:
-                for m in group["params"]:
-                    p, q = parts.get(id(m), (m, None))  # float32 parameters step as they are
-                    if p.grad is not None:
-                        entries.append((group, m, p.data, q, p.grad, kept.get(id(m))))
-            skipped = _fused_lean.fused_adamw_step(
-                "split8", self.optimizer, entries, found_inf, skip, self._hypers)  # fmt: skip
-        self._mark_model_current()
-        return bool(skipped)
+        for group in self.optimizer.param_groups:
+            for m in group["params"]:
+                p, q = parts.get(id(m), (m, None))  # float32 parameters step as they are
+                if p.grad is not None:
+                    entries.append((group, m, p.data, q, p.grad, kept.get(id(m))))
+        return entries
 
     @property
     def corrections(self) -> list[torch.Tensor]:
