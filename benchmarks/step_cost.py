@@ -471,7 +471,8 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     (:func:`mixprec.optim._fused_lean._lean_adamw_math_`, positional ``args``): every
     tensor it is given read once, the weights, compensations or corrections and
     moments written once, in one loop per parameter and :data:`COMBO_NODES` loops per
-    launch. Float32 masters' model weights (``"fp32"``'s extras) are written only.
+    launch. Float32 masters' model weights (``"fp32"``'s extras) are written only;
+    stochastic rounding's seed (its extras) is read only.
 
     >>> w = [torch.ones(4, dtype=torch.bfloat16)]
     >>> cost = fused_lean_cost(("kahan", w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
@@ -482,8 +483,8 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     weights, extras, _, exp_avgs, exp_avg_sqs = args[1:6]
     write_only = {id(e) for e in extras if e is not None} if args[0] == "fp32" else set()
     read = [t for t in _unique(list(_tensors(list(args[1:10])))) if id(t) not in write_only]
-    written = _unique([*weights, *(c for c in extras if c is not None),
-                       *exp_avgs, *exp_avg_sqs])  # fmt: skip
+    stepped = [c for c in extras if c is not None] if args[0] != "stochastic" else []
+    written = _unique([*weights, *stepped, *exp_avgs, *exp_avg_sqs])
     launches = -(-len(weights) // COMBO_NODES)
     return OpCost(launches, sum(map(_nbytes, read)) + sum(map(_nbytes, written)))
 
@@ -521,6 +522,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("lean bf16", _BF16, "lean"),
     Variant("lean fused bf16", _BF16, "lean", fused=True),
     Variant("lean stochastic bf16", _BF16, "lean", master_weights="stochastic"),
+    Variant("lean stochastic fused bf16", _BF16, "lean", master_weights="stochastic",
+            fused=True),
     Variant("O2 split8 bf16", _BF16, "O2", master_weights="split8"),
     Variant("O2 split8 fused bf16", _BF16, "O2", master_weights="split8", fused=True),
     Variant("O2 split8+AdamW8bit bf16", _BF16, "O2", master_weights="split8", adamw8bit=True),

@@ -114,7 +114,7 @@ def _fused_or_eager(mode: str, fused: bool | None):
     return model, opt
 
 
-@pytest.mark.parametrize("mode", ["kahan", "split8", "fp32"])
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "split8", "fp32"])
 def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
     """With AdamW(fused=True) on a GPU the compiled step is taken (one elementwise
     function per step); it trains as the eager step does and, after the first step
@@ -127,7 +127,7 @@ def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
         for i in range(6):
             loss = F.cross_entropy(model(x.bfloat16()).float(), y)
             opt.scale_loss(loss).backward()
-            if fused is None and mode != "kahan":
+            if fused is None and mode in ("split8", "fp32"):
                 assert opt._fused_master(False, None) is not None
             elif fused is None:
                 assert opt._master._fuses(None)
@@ -138,5 +138,7 @@ def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         runs.append(model)
+    # (stochastic rounding: another random stream, a few bfloat16 ulps apart)
+    atol = 2e-2 if mode == "stochastic" else 1e-4
     for p, q in zip(*(m.parameters() for m in runs)):
-        assert torch.allclose(p.float(), q.float(), rtol=2**-6, atol=1e-4)
+        assert torch.allclose(p.float(), q.float(), rtol=2**-6, atol=atol)

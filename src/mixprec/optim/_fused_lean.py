@@ -43,7 +43,7 @@ from mixprec.optim._split8 import join8_bits, split8_bits
 
 __all__ = ["kahan_adamw_", "split8_adamw_", "lean_adamw_fused_", "fused_adamw_unsupported",
            "wants_fused", "fused_adamw_step", "HyperVectors", "HYPER_NAMES",
-           "COMBO_NODES"]  # fmt: skip
+           "COMBO_NODES", "hashed_noise16"]  # fmt: skip
 
 #: The order of a group's hyperparameters in the float64 vector :func:`kahan_adamw_` reads.
 HYPER_NAMES = ("lr", "beta1", "beta2", "eps")
@@ -147,6 +147,11 @@ def _lean_adamw_math_(
     :func:`split8_adamw_` (``"split8"``, the corrections) without advancing ``steps``
     (it reads them): the part that compiles into one loop per parameter.
 
+    ``mode="stochastic"`` rounds ``w * kept - update`` stochastically into the bfloat16
+    weight (as :func:`~mixprec.optim._lean.stochastic_round`, with the noise of
+    :func:`hashed_noise16`); ``extras`` hold the step's int64 seed (``None`` for a float32
+    parameter).
+
     ``mode="fp32"`` is float32 masters' step (``master_weights="fp32"``): ``weights``
     are the masters, ``extras`` the model's low-precision weights (``None`` where the
     parameter is its own master), written and never read, and ``grads`` the model's
@@ -175,6 +180,10 @@ def _lean_adamw_math_(
             total = torch.where(skip, w, total)
             w.copy_(total)
             extra.copy_(total.to(extra.dtype))
+        elif mode == "stochastic" and extra is not None:
+            bits = total.view(torch.int32) + hashed_noise16(extra, i, w.shape, w.device)
+            rounded = bits.bitwise_and(-65536).view(torch.float32).to(w.dtype)  # 0xFFFF0000
+            w.copy_(torch.where(skip, w, rounded))
         elif split8:
             rounded = total.to(w.dtype)
             extra.copy_(torch.where(skip, extra, split8_bits(total, rounded)))
@@ -188,6 +197,48 @@ def _lean_adamw_math_(
             w.copy_(torch.where(skip, w, total.to(w.dtype)))
         m.copy_(torch.where(skip, m, m32.to(m.dtype)))
         v.copy_(torch.where(skip, v, v32.to(v.dtype)))
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _times32(x: torch.Tensor, factor: int) -> torch.Tensor:
+    """``x * factor`` modulo ``2**32`` for int64 ``x`` in ``[0, 2**32)``: in two 16-bit
+    halves of ``factor``, so no product leaves int64 (an overflow would be undefined)."""
+    high, low = factor >> 16, factor & 0xFFFF
+    return (x * low + ((x * high) & 0xFFFF) * 65536) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (the "lowbias32" mixer: xor-shifts and two odd multipliers,
+    a bijection whose output bits each depend on every input bit), on int64 holding 32 bits."""
+    x = x ^ (x >> 16)
+    x = _times32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _times32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hashed_noise16(
+    seed: torch.Tensor, stream: int, shape: torch.Size, device: torch.device
+) -> torch.Tensor:
+    """16 random bits per element of a tensor of ``shape`` (int32 in ``[0, 2**16)``),
+    a pure function of the int64 ``seed`` (a 1-element tensor, drawn once a step from
+    the lean mode's generator), the parameter's number ``stream`` in the step and the
+    element's index: ``mix(mix(index) ^ mix(seed + stream * golden))``, the high 16 bits.
+    Counter-based, so a compiled loop computes it in registers (no noise tensor is
+    written or read) and the eager run gives the same bits.
+
+    >>> seed = torch.tensor([7])
+    >>> a = hashed_noise16(seed, 0, torch.Size([4]), torch.device("cpu"))
+    >>> torch.equal(a, hashed_noise16(seed, 0, torch.Size([4]), torch.device("cpu")))
+    True
+    >>> bool(a.ge(0).all() and a.lt(2**16).all())
+    True
+    """
+    key = _mix32((seed + stream * 0x9E3779B9) & _MASK32)
+    index = torch.arange(shape.numel(), dtype=torch.int64, device=device)
+    return (_mix32(_mix32(index) ^ key) >> 16).to(torch.int32).view(shape)
 
 
 @functools.cache

@@ -180,13 +180,16 @@ class LeanUpdates:
     >>> float(w.detach()[0] + lean.compensation[0][0].float())  # 1 + 8 * 2**-10
     1.0078125
 
-    **The fused kahan step.** With ``torch.optim.AdamW(fused=True)`` as the inner
+    **The fused step.** With ``torch.optim.AdamW(fused=True)`` as the inner
     optimizer on a GPU (``fused=None``, the default), or wherever ``fused=True`` asks,
-    the kahan step is one compiled elementwise function instead
+    the step is one compiled elementwise function instead
     (:func:`~mixprec.optim._fused_lean.kahan_adamw_`): each parameter's weight,
-    compensation, gradient and moments are read once and written once (18 bytes per
-    bfloat16 parameter, against about 38 for the inner step and the rounding), with
-    one rounding fewer. The state is the inner AdamW's own, so checkpoints move freely
+    compensation, gradient and moments are read once and written once (kahan: 18 bytes
+    per bfloat16 parameter, against about 38 for the inner step and the rounding, with
+    one rounding fewer; stochastic: 14, against about 45). Stochastic rounding's noise
+    is then hashed from one seed a step drawn from the same generator
+    (:func:`~mixprec.optim._fused_lean.hashed_noise16`), so no noise tensor is written
+    or read: a different random stream from the eager step's, as unbiased. The state is the inner AdamW's own, so checkpoints move freely
     between the two; the step does not call the inner optimizer's ``step()``, so a
     step with ``step()`` keyword arguments, or an inner optimizer with step hooks,
     takes the eager path. The first fused step compiles (seconds); ``fused=False``
@@ -207,11 +210,10 @@ class LeanUpdates:
         if fused is not None:
             check_bool("fused", fused, hint="or None (compiled with a fused AdamW on a GPU)")
         if fused:
-            reason = "it fuses the 'kahan' mode" if mode != "kahan" else (
-                _fused().fused_adamw_unsupported(optimizer)
-                or next(filter(None, map(_compile_unsupported, _device_types(optimizer))), None)
-            )  # fmt: skip
-            if mode != "kahan" or reason:
+            reason = _fused().fused_adamw_unsupported(optimizer) or next(
+                filter(None, map(_compile_unsupported, _device_types(optimizer))), None
+            )
+            if reason:
                 raise ValueError(
                     f"fused=True cannot run master_weights={mode!r} with this optimizer: "
                     f"{reason}; pass fused=None or False"
@@ -384,24 +386,33 @@ class LeanUpdates:
 
     def _fuses(self, step_kwargs: dict[str, Any] | None) -> bool:
         """Whether this step is the fused one (see the class docstring)."""
-        if self.mode != "kahan" or step_kwargs:
+        if step_kwargs:
             return False
         return bool(_fused().wants_fused(self.optimizer, self.fused))
 
     def _fused_step(
         self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
     ) -> bool:
-        """The kahan step as one compiled function per device; returns whether the host
-        saw a skip (only when a first step would create state)."""
+        """The step as one compiled function per device; returns whether the host saw a
+        skip (only when a first step would create state). Stochastic rounding draws one
+        seed a step per device from its generator and hashes it into each element's noise
+        (:func:`~mixprec.optim._fused_lean.hashed_noise16`)."""
         kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
-        compensation = dict(zip(map(id, self._low), self.compensation))
+        if self.mode == "kahan":
+            extras: dict[int, Any] = dict(zip(map(id, self._low), self.compensation))
+        else:
+            seeds = {
+                key: torch.randint(0, 1 << 31, (1,), generator=g, device=g.device)
+                for key, g in self._generators.items()
+            }  # fmt: skip
+            extras = {id(p): seeds[str(p.device)] for p in self._low}
         entries = [
-            (group, p, p.data, compensation.get(id(p)), p.grad, kept.get(id(p)))
+            (group, p, p.data, extras.get(id(p)), p.grad, kept.get(id(p)))
             for group in self.optimizer.param_groups for p in group["params"]
             if p.grad is not None
         ]  # fmt: skip
         return bool(_fused().fused_adamw_step(
-            "kahan", self.optimizer, entries, found_inf, skip, self._hypers))  # fmt: skip
+            self.mode, self.optimizer, entries, found_inf, skip, self._hypers))  # fmt: skip
 
     def _one(self, device: torch.device) -> torch.Tensor:
         one = self._ones.get(device)
