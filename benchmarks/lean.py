@@ -6,8 +6,8 @@ where installed, ``torch-optimi``'s Kahan-summation AdamW on the same bfloat16 m
 ``split8`` and ``split8-8bit`` are :class:`~mixprec.optim.Split8MasterWeights` (bfloat16
 weight + int8 correction, the update in float32) around torch's AdamW and around
 :class:`~mixprec.optim.AdamW8bit` (8-bit moments; ``split8-8bit-fused``, not run by
-default, compiles its step); ``kahan-fused`` and ``split8-fused`` (not run by
-default) are the compiled kahan and split8 steps; ``--modes`` runs a subset.
+default, compiles its step); ``kahan-fused``, ``stochastic-fused``, ``split8-fused``
+and ``fp32-fused`` (not run by default) are the compiled steps; ``--modes`` runs a subset.
 Per mode: bytes per parameter (live tensor storage after training: parameters,
 optimizer state, masters or buffers), the optimizer step's time as the median of its
 per-step ratios to float32 masters (``fp32``; the modes of a seed train in lockstep,
@@ -46,9 +46,10 @@ __all__ = ["held_bytes_per_param", "run"]
 MODES = ("float32", "fp32", "split", "kahan", "stochastic", "split8", "split8-8bit", "bf16",
          "optimi-kahan")
 #: Not run by default, as their first step compiles (``torch.compile``):
-#: ``AdamW8bit(fused=True)``, and the compiled kahan and split8 steps (the default with
+#: ``AdamW8bit(fused=True)``, and the compiled master-weight steps (the default with
 #: ``AdamW(fused=True)`` on a GPU).
-EXTRA_MODES = ("split8-8bit-fused", "kahan-fused", "split8-fused")
+EXTRA_MODES = ("split8-8bit-fused", "kahan-fused", "stochastic-fused", "split8-fused",
+               "fp32-fused")
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,9 +82,11 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float) -> Any:
         opt._master = Split8MasterWeights(inner)
         opt._master.fused = mode == "split8-fused"  # compiled on any device, as on a GPU
         return opt
-    if mode == "kahan-fused":
+    if mode in ("kahan-fused", "stochastic-fused", "fp32-fused"):
         inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
-        opt = LossScaleOptimizer(inner, master_weights="kahan")
+        # The fused fp32 step reads the model's gradients: bfloat16 without loss scaling.
+        scale = None if mode == "fp32-fused" else "dynamic"
+        opt = LossScaleOptimizer(inner, scale, master_weights=mode.removesuffix("-fused"))
         opt._master.fused = True  # compiled on any device, as on a GPU by default
         return opt
     inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
