@@ -497,7 +497,7 @@ class SplitMasterWeights(MasterWeights):
     """
 
     mode = "split"
-    _fused_mode = None  # the tie bits, eight to a byte, are not elementwise
+    _fused_mode: str | None = None  # the tie bits, eight to a byte, are not elementwise
 
     @classmethod
     def check(cls, optimizer: torch.optim.Optimizer) -> None:
