@@ -717,7 +717,7 @@ def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int
     """Take ``warmup`` steps, then count one; return the phase tallies and bytes/param.
     Counting needs the ops, not the speed: the compiled lean step's eager reference
     runs in their place (it compiles nothing)."""
-    with mock.patch.object(_fused_lean, "_compiled", lambda: _fused_lean._lean_adamw_math_):
+    with mock.patch.object(_fused_lean, "_compiled", lambda mode: _fused_lean._lean_adamw_math_):
         return _count_step(prepared, x, y, warmup, limits, baseline)
 
 

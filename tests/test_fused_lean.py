@@ -192,14 +192,27 @@ def _equal(a, b) -> bool:
 
 def test_a_new_learning_rate_does_not_compile_again(trained):
     model, opt, lean = trained["fused"]
-    compiled = _fused_lean._compiled()
+    compiled = _fused_lean._compiled("kahan")
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for lr in (2e-3, 5e-4):
         for group in opt.param_groups:
             group["lr"] = lr
         _train(model, lean, opt, trained["data"][:1])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
-    assert _fused_lean._compiled() is compiled
+    assert _fused_lean._compiled("kahan") is compiled
+
+
+def test_a_process_stepping_more_models_than_dynamos_recompile_limit_still_steps():
+    """Each model layout is a graph; past dynamo's recompile limit (8, here 1) a new
+    one compiles under mixprec's own limit instead of failing (fullgraph=True)."""
+    hyper = [torch.tensor([1e-3, 0.9, 0.999, 1e-8], dtype=torch.float64)]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (3, 5):  # two layouts: the second is past the limit
+            w = torch.ones(n)
+            m, v, step = torch.zeros(n), torch.zeros(n), torch.zeros(())
+            lean_adamw_fused_("kahan", [w], [None], [torch.ones(n)], [m], [v], [step],
+                              [torch.ones(1)], hyper, torch.zeros(()))  # fmt: skip
+            assert float(step) == 1 and bool(w.lt(1).all())
 
 
 def test_under_a_dispatch_mode_the_eager_math_runs_and_the_mode_sees_it(trained):
@@ -291,7 +304,7 @@ def test_the_fused_stochastic_rounding_is_unbiased_and_compiles_to_its_eager_bit
         math("stochastic", [w], [seed], [g], [m], [v], [count], [torch.ones(1)], [hyper], found)
         return w
 
-    eager, compiled = step(_fused_lean._lean_adamw_math_), step(_fused_lean._compiled())
+    eager, compiled = step(_fused_lean._lean_adamw_math_), step(_fused_lean._compiled("stochastic"))
     up = float((eager.float() - 1).div(ulp).mean())
     assert set((eager.float() - 1).div(ulp).unique().tolist()) == {0.0, 1.0}
     assert abs(up - 0.3) < 0.01  # ~5 standard deviations of the mean over 65536 draws

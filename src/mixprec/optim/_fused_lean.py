@@ -34,6 +34,7 @@ move freely between the fused and the eager steps.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 import torch
@@ -242,15 +243,38 @@ def hashed_noise16(
 
 
 @functools.cache
-def _compiled() -> Any:
-    # One graph per mode and list layout (count, shapes, dtypes): a model's step
-    # compiles once. Combo kernels put the parameters' loops side by side in a few
+def _compiled(mode: str) -> Any:
+    # One graph per list layout (count, shapes, dtypes): a model's step compiles once.
+    # Each mode gets its own copy of the function's code: dynamo keeps its graphs, and
+    # counts them against its recompile limit, per code object, and tries them in turn
+    # on every call. Combo kernels put the parameters' loops side by side in a few
     # launches on a GPU. Emulated precision casts: inductor otherwise keeps float32
     # through a round trip to bfloat16, and the compensation, total - float(round(total)),
     # would be lost.
+    code = _lean_adamw_math_.__code__.replace(co_name=f"_lean_adamw_{mode}")
+    math = types.FunctionType(code, _lean_adamw_math_.__globals__, code.co_name,
+                              _lean_adamw_math_.__defaults__)  # fmt: skip
     options: dict[str, Any] = {"combo_kernels": True, "combo_kernel_max_num_nodes": COMBO_NODES,
                                "emulate_precision_casts": True}  # fmt: skip
-    return torch.compile(_lean_adamw_math_, fullgraph=True, dynamic=False, options=options)
+    return torch.compile(math, fullgraph=True, dynamic=False, options=options)
+
+
+#: Graphs a mode may compile (one per model layout stepped in the process) once
+#: dynamo's own recompile limit (8) is reached: past it, ``fullgraph=True`` would fail.
+RECOMPILE_LIMIT = 256
+
+_LIMIT_HIT: Any = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+
+
+def _run_compiled(mode: str, *args: Any) -> None:
+    """The compiled math; a layout past dynamo's recompile limit (a process that steps
+    many models) compiles under a higher one. The limit is hit before anything runs."""
+    compiled = _compiled(mode)
+    try:
+        compiled(mode, *args)
+    except _LIMIT_HIT:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            compiled(mode, *args)
 
 
 def lean_adamw_fused_(mode: str, *args: Any) -> None:
@@ -264,7 +288,7 @@ def lean_adamw_fused_(mode: str, *args: Any) -> None:
     ``mixprec.lean_adamw``."""
     steps, found_inf = args[5], args[8]  # (weights, extras, grads, m, v, steps, kept, hypers, found_inf)
     with torch.profiler.record_function("mixprec.lean_adamw"):
-        math = _lean_adamw_math_ if _get_current_dispatch_mode() is not None else _compiled()
+        math = _lean_adamw_math_ if _get_current_dispatch_mode() is not None else _run_compiled
         math(mode, *args)
         torch._foreach_add_(steps, 1.0 - found_inf)
 
