@@ -81,6 +81,12 @@ class MasterWeights:
     its state (and ``state_dict``) is float32 too. Sharded parameters (FSDP2 DTensors,
     FSDP1 flat parameters) get masters sharded alike, and copies go shard to shard.
 
+    With ``torch.optim.AdamW(fused=True)`` on a GPU (:attr:`fused`), a step that needs no
+    float32 master gradient is :meth:`fused_step` instead: one compiled loop per
+    parameter reads the model's gradient and writes the rounded weight, so neither the
+    gradient copy nor the copy back exists (28 bytes per bfloat16 parameter moved, and
+    the step's peak is the bfloat16 gradients on top of the masters and moments).
+
     >>> import torch
     >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
     >>> opt = torch.optim.SGD([w], lr=1e-4)
