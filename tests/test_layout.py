@@ -145,7 +145,8 @@ def test_one_o2_step_the_skip_decision_and_a_resume_run_through_a_handful_of_fil
                         ("skip decision (no masters)", plain_skip_files),
                         ("optimizer resume", resume_files)]:  # fmt: skip
         print(f"{name}: {len(files)} files: {', '.join(files)}")
-    assert len(step_files) <= 8, step_files
+    # (O2's step asks optim/_fused_lean.py whether it is the compiled one)
+    assert len(step_files) <= 9, step_files
     assert len(plain_skip_files) <= 3, plain_skip_files
-    assert len(skip_files) <= 4, skip_files  # the three, and the master weights
+    assert len(skip_files) <= 5, skip_files  # the three, the master weights, the fused step
     assert len(resume_files) <= 8, resume_files
