@@ -41,7 +41,7 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
 def _fused() -> Any:
     """:mod:`mixprec.optim._fused_lean`, imported on first use: it reads split8's bit
     format, which builds on ``_masters``, which imports this module."""
-    from mixprec.optim import _fused_lean
+    import mixprec.optim._fused_lean as _fused_lean
 
     return _fused_lean
 

@@ -341,7 +341,8 @@ class MasterWeights:
         and none shows its master (``unscale_()`` was not called)."""
         if self._fused_mode is None or self._shown or self._written:
             return False
-        from mixprec.optim import _fused_lean  # it imports the lean modes, which import this
+        # (imported here: it imports the lean modes, which import this module)
+        import mixprec.optim._fused_lean as _fused_lean
 
         return _fused_lean.wants_fused(self.optimizer, self.fused) and self._fusable()
 
@@ -355,7 +356,7 @@ class MasterWeights:
         gradients (decoupled decay, the inner optimizer's and ``weight_decay``, folded
         in) and write the rounded weights into the model: no float32 master gradient
         and no copy back. Returns whether the host saw a skip."""
-        from mixprec.optim import _fused_lean
+        import mixprec.optim._fused_lean as _fused_lean
         from mixprec.optim._lean import kept_fractions
 
         if self._hypers is None:
