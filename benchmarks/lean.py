@@ -5,9 +5,11 @@ where bfloat16 ulps swallow single updates) with each mode over several seeds, a
 where installed, ``torch-optimi``'s Kahan-summation AdamW on the same bfloat16 model.
 ``split8`` and ``split8-8bit`` are :class:`~mixprec.optim.Split8MasterWeights` (bfloat16
 weight + int8 correction, the update in float32) around torch's AdamW and around
-:class:`~mixprec.optim.AdamW8bit` (8-bit moments; ``split8-8bit-fused``, not run by
-default, compiles its step); ``kahan-fused``, ``stochastic-fused``, ``split8-fused``
-and ``fp32-fused`` (not run by default) are the compiled steps; ``--modes`` runs a subset.
+:class:`~mixprec.optim.AdamW8bit` (8-bit moments; ``split8-8bit-inner-fused``, not
+run by default, compiles AdamW8bit's own step inside the eager masters' step);
+``kahan-fused``, ``stochastic-fused``, ``split8-fused``, ``split8-8bit-fused`` and
+``fp32-fused`` (not run by default) are the compiled master-weight steps; ``--modes``
+runs a subset.
 Per mode: bytes per parameter (live tensor storage after training: parameters,
 optimizer state, masters or buffers), the optimizer step's time as the median of its
 per-step ratios to float32 masters (``fp32``; the modes of a seed train in lockstep,
@@ -48,8 +50,8 @@ MODES = ("float32", "fp32", "split", "kahan", "stochastic", "split8", "split8-8b
 #: Not run by default, as their first step compiles (``torch.compile``):
 #: ``AdamW8bit(fused=True)``, and the compiled master-weight steps (the default with
 #: ``AdamW(fused=True)`` on a GPU).
-EXTRA_MODES = ("split8-8bit-fused", "kahan-fused", "stochastic-fused", "split8-fused",
-               "fp32-fused")
+EXTRA_MODES = ("split8-8bit-fused", "split8-8bit-inner-fused", "kahan-fused",
+               "stochastic-fused", "split8-fused", "fp32-fused")
 
 
 def _data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,12 +77,14 @@ def _optimizer(mode: str, model: torch.nn.Module, lr: float) -> Any:
     if mode.startswith("split8"):  # built directly: the masters around the inner step
         if mode in ("split8", "split8-fused"):
             inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=mode != "split8")
-        else:
-            inner = AdamW8bit(params, lr=lr, weight_decay=0.0, fused=True if mode.endswith("fused") else None)
+        else:  # split8-8bit-inner-fused: AdamW8bit's own compiled step, eager masters
+            compiled = True if mode == "split8-8bit-inner-fused" else None
+            inner = AdamW8bit(params, lr=lr, weight_decay=0.0, fused=compiled)
+        fused = mode in ("split8-fused", "split8-8bit-fused")
         # The fused step reads the model's gradients: bfloat16 without loss scaling.
-        opt = LossScaleOptimizer(inner, loss_scale=None if mode == "split8-fused" else "dynamic")
+        opt = LossScaleOptimizer(inner, loss_scale=None if fused else "dynamic")
         opt._master = Split8MasterWeights(inner)
-        opt._master.fused = mode == "split8-fused"  # compiled on any device, as on a GPU
+        opt._master.fused = fused  # compiled on any device, as on a GPU
         return opt
     if mode in ("kahan-fused", "stochastic-fused", "fp32-fused"):
         inner = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)

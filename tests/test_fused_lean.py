@@ -4,6 +4,7 @@ the skip, checkpoints shared with the eager lean step, and when it is (not) take
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -16,6 +17,7 @@ from mixprec.optim import _fused_lean
 from mixprec.optim._fused_lean import kahan_adamw_, lean_adamw_fused_
 from mixprec.optim._lean import LeanUpdates
 from mixprec.optim._split8 import join8_bits
+from mixprec.optim import AdamW8bit
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -249,6 +251,7 @@ def test_when_the_fused_step_is_taken():
         (lambda ps: torch.optim.SGD(ps, lr=0.1), "kahan", "SGD is not torch.optim.AdamW"),
         (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "kahan", "amsgrad"),
         (lambda ps: torch.optim.Adagrad(ps), "stochastic", "Adagrad is not torch.optim.AdamW"),
+        (lambda ps: AdamW8bit(ps), "kahan", "AdamW8bit's fused step is master_weights='split8''s"),
     ],
 )
 def test_fused_true_refuses_what_it_cannot_run(make, mode, match):
@@ -354,24 +357,37 @@ def test_a_skipped_fused_stochastic_step_changes_no_weight_or_moment(trained):
 
 # ------------------------------------------------------- split8 and float32 masters (O2)
 
-MASTER_MODES = ("split8", "fp32")
+#: "split8-8bit": split8 masters around AdamW8bit (its default stochastic codes).
+MASTER_MODES = ("split8", "fp32", "split8-8bit")
 
 
 def _masters_opt(model, fused, mode="split8", **options):
-    inner = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
-    opt = LossScaleOptimizer(inner, loss_scale=None, master_weights=mode, **options)
+    if mode == "split8-8bit":
+        inner = AdamW8bit(model.parameters(), **HYPER)
+    else:
+        inner = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
+    master_weights = mode.removesuffix("-8bit")
+    opt = LossScaleOptimizer(inner, loss_scale=None, master_weights=master_weights, **options)
     opt._master.fused = fused
     return opt
 
 
-def _train_masters(model, opt, data, clip=False):
+class _Eager(TorchDispatchMode):
+    """A dispatch mode that changes nothing: under it the fused step runs its eager math."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _train_masters(model, opt, data, clip=False, eager_math=False):
     for x, y in data:
         opt.zero_grad()
         opt.scale_loss(_loss(model, x, y)).backward()
         if clip:  # torch's clipping recipe: the masters are shown, so the step is eager
             opt.unscale_()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        with _Eager() if eager_math else contextlib.nullcontext():
+            opt.step()
 
 
 def _float32_masters(opt) -> list[torch.Tensor]:
@@ -384,25 +400,38 @@ def _float32_masters(opt) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module", params=MASTER_MODES)
 def masters_trained(request):
+    """20 steps fused (compiled), eager, and (split8-8bit) the fused step's own eager
+    math: AdamW8bit's eager step draws its rounding noise otherwise."""
     data = _data(20)
     runs = {}
-    for fused in (True, False):
+    for run in (True, False, "reference"):
+        if run == "reference" and request.param != "split8-8bit":
+            continue
         model = _model()
-        opt = _masters_opt(model, fused, request.param)
+        opt = _masters_opt(model, run is not False, request.param)
         taken = []
         for x, y in data:
             opt.zero_grad()
             opt.scale_loss(_loss(model, x, y)).backward()
             taken.append(opt._fused_master(False, None) is not None)
-            opt.step()
-        runs[fused] = (model, opt, taken)
+            if run == "reference":
+                with _Eager():
+                    opt.step()
+            else:
+                opt.step()
+        runs[run] = (model, opt, taken)
     return runs, data, request.param
 
 
 def test_fused_masters_step_as_the_eager_masters_do(masters_trained):
-    runs, _, mode = masters_trained
+    runs, data, mode = masters_trained
     (fused, fused_opt, taken), (eager, eager_opt, not_taken) = runs[True], runs[False]
     assert all(taken) and not any(not_taken)
+    if mode == "split8-8bit":  # the same training; the reference is the eager math
+        with torch.no_grad():
+            losses = [float(_loss(m, *data[0])) for m in (fused, eager, _model())]
+        assert abs(losses[0] - losses[1]) < 0.01 * losses[1] and losses[0] < losses[2] - 0.05
+        eager, eager_opt, _ = runs["reference"]
     for p, q in zip(fused.parameters(), eager.parameters()):
         if p.dtype == torch.bfloat16:  # the same rounded weights (FMA may move a tie)
             assert (p.float() - q.float()).abs().le(p.float().abs() * 2**-7).all()
@@ -410,15 +439,22 @@ def test_fused_masters_step_as_the_eager_masters_do(masters_trained):
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-7)
     for a, b in zip(_float32_masters(fused_opt), _float32_masters(eager_opt)):
         # split8: within 2 codes of the correction (1/254 of an ulp each); float32: rounding
-        assert torch.allclose(a, b, rtol=2**-14 if mode == "split8" else 1e-5, atol=1e-7)
+        assert torch.allclose(a, b, rtol=2**-14 if mode != "fp32" else 1e-5, atol=1e-7)
     # The model's weights are the masters rounded, and no float32 master gradient was
     # made (split8: no master either; the masters stay released).
     for (p, _), m in zip(fused_opt._master._low, _float32_masters(fused_opt)):
         assert torch.equal(p.detach(), m.to(p.dtype))
     low = [m for _, m in fused_opt._master._low]
     assert all(m.grad is None for m in low)
-    if mode == "split8":
+    if mode != "fp32":
         assert all(m.numel() == 0 for m in low)
+    if mode == "split8-8bit":  # the codes: a float32 FMA may move one across a boundary
+        for key in ("exp_avg_q", "exp_avg_sq_q"):
+            codes = [(fused_opt.inner_optimizer.state[m][key], eager_opt.inner_optimizer.state[n][key])
+                     for m, n in zip(low, (m for _, m in eager_opt._master._low))]  # fmt: skip
+            same = sum(int(a.eq(b).sum()) for a, b in codes)
+            assert same >= 0.999 * sum(a.numel() for a, _ in codes)
+            assert all((a.int() - b.int()).abs().max() <= 1 for a, b in codes)
 
 
 def test_fused_masters_checkpoints_load_into_the_eager_step_and_back(masters_trained):
@@ -442,7 +478,9 @@ def test_fused_masters_fold_the_wrappers_weight_decay_into_one_factor(mode):
     runs = []
     for fused in (True, False):
         model = _model()
-        _train_masters(model, _masters_opt(model, fused, mode, weight_decay=0.5), _data(3))
+        # split8-8bit: against the fused step's eager math (the same rounding noise)
+        opt = _masters_opt(model, fused or mode == "split8-8bit", mode, weight_decay=0.5)
+        _train_masters(model, opt, _data(3), eager_math=not fused)
         runs.append(model)
     for p, q in zip(*(m.parameters() for m in runs)):
         assert torch.allclose(p.float(), q.float(), rtol=2**-7, atol=1e-6)
@@ -474,6 +512,10 @@ def test_fused_masters_skip_a_nonfinite_step_and_change_nothing(masters_trained)
     opt.step()
     assert bool(opt.last_step_skipped)
     after = (model.state_dict(), opt.inner_optimizer.state_dict(), _float32_masters(opt))
+    # AdamW8bit draws its rounding seed before the host knows of the skip, as its
+    # eager step draws its noise: the generator moves on, nothing else does.
+    for state in (before[1], after[1]):
+        state.pop("rng", None)
     assert _equal(before, after)
 
 
@@ -516,3 +558,50 @@ def test_split_masters_have_no_fused_step():
     model[1].bfloat16()  # "split" needs every parameter in bfloat16
     opt = _masters_opt(model, True, "split")
     assert not opt._master.fuses() and opt._fused_master(False, None) is None
+
+
+def test_fused_split8_8bit_resumes_bit_exactly_and_its_seed_is_checkpointed():
+    data = _data(6)
+    model = _model()
+    opt = _masters_opt(model, True, "split8-8bit")
+    _train_masters(model, opt, data[:3])
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    _train_masters(model, opt, data[3:])
+    clone = _model(seed=3)
+    clone_opt = _masters_opt(clone, True, "split8-8bit")
+    clone.load_state_dict(saved[0])
+    clone_opt.load_state_dict(saved[1])
+    _train_masters(clone, clone_opt, data[3:])
+    assert _equal(model.state_dict(), clone.state_dict())
+    assert _equal(opt.state_dict(), clone_opt.state_dict())
+    # Another seed is other rounding noise: the run is the generator's, not fixed.
+    other = _model()
+    other_opt = _masters_opt(other, True, "split8-8bit")
+    other_opt.inner_optimizer.seed = 1
+    _train_masters(other, other_opt, data)
+    codes = [other_opt.inner_optimizer.state[m]["exp_avg_q"] for _, m in other_opt._master._low]
+    mine = [opt.inner_optimizer.state[m]["exp_avg_q"] for _, m in opt._master._low]
+    assert not all(torch.equal(a, b) for a, b in zip(codes, mine))
+
+
+def test_adamw8bit_steps_fused_only_under_split8_masters():
+    """Float32 masters (O2) around AdamW8bit take the eager step even when asked to fuse:
+    the fused 8-bit step is split8's. A loaded state of another size is refused."""
+    model = _model()
+    opt = _masters_opt(model, True, "split8-8bit")
+    assert opt._master._fused_mode == "split8-8bit" and opt._master.fuses()
+    inner = AdamW8bit(_model().parameters(), **HYPER)
+    o2 = LossScaleOptimizer(inner, loss_scale=None, master_weights="fp32")
+    o2._master.fused = True
+    assert not o2._master.fuses()
+    assert "split8" in _fused_lean.fused_adamw_unsupported(inner, "fp32")
+    assert _fused_lean.fused_adamw_unsupported(torch.optim.AdamW([torch.ones(1)]),
+                                               "split8-8bit") is not None  # fmt: skip
+    _train_masters(model, opt, _data(1))
+    key = opt._master._low[0][1]
+    state = opt.inner_optimizer.state[key]
+    state["exp_avg_q"] = state["exp_avg_q"][:256]  # as if saved from a smaller model
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="saved from another model"):
+        _train_masters(model, opt, _data(1))
+    assert _equal(before, model.state_dict())

@@ -490,15 +490,33 @@ class AdamW8bit(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
-    def _init_state(self, p: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
-        n = _padded(p.numel(), block)
-        state = self.state[p]
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        state["exp_avg_q"] = torch.zeros(n, dtype=torch.int8, device=p.device)
-        state["exp_avg_scale"] = torch.zeros(n // block, dtype=torch.float32, device=p.device)
-        state["exp_avg_sq_q"] = torch.zeros(n, dtype=torch.uint8, device=p.device)
-        state["exp_avg_sq_scale"] = torch.zeros(n // block, dtype=torch.float32, device=p.device)
-        return state
+    def _fresh_state(self, numel: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """The zero state of a parameter of ``numel`` elements on ``device``."""
+        block = self.defaults["block_size"]
+        n = _padded(numel, block)
+        return {
+            "step": torch.zeros((), dtype=torch.float32, device=device),
+            "exp_avg_q": torch.zeros(n, dtype=torch.int8, device=device),
+            "exp_avg_scale": torch.zeros(n // block, dtype=torch.float32, device=device),
+            "exp_avg_sq_q": torch.zeros(n, dtype=torch.uint8, device=device),
+            "exp_avg_sq_scale": torch.zeros(n // block, dtype=torch.float32, device=device),
+        }
+
+    def _check_state_size(self, state: dict[str, torch.Tensor], numel: int) -> None:
+        """Raise ``RuntimeError`` unless ``state`` holds the codes of ``numel`` elements."""
+        if state["exp_avg_q"].numel() != _padded(numel, self.defaults["block_size"]):
+            raise RuntimeError(
+                f"AdamW8bit state of {state['exp_avg_q'].numel()} codes for a parameter of "
+                f"{numel} elements: the loaded checkpoint was saved from another model"
+            )
+
+    def _step_seed(self, device: torch.device) -> torch.Tensor | None:
+        """One int64 seed (a 1-element tensor on ``device``) from the device's generator
+        for a fused step's hashed rounding noise; ``None`` with ``rounding="nearest"``."""
+        if self.rounding != "stochastic":
+            return None
+        generator = self._generator(device)
+        return torch.randint(0, 1 << 31, (1,), generator=generator, device=device)
 
     def _chunks(self, params: list[torch.Tensor], block: int) -> list[list[torch.Tensor]]:
         chunks: list[list[torch.Tensor]] = []
@@ -532,13 +550,9 @@ class AdamW8bit(torch.optim.Optimizer):
             block = group["block_size"]
             for p in params:
                 if not self.state[p]:
-                    self._init_state(p, block)
-                elif self.state[p]["exp_avg_q"].numel() != _padded(p.numel(), block):
-                    raise RuntimeError(
-                        f"AdamW8bit state of {self.state[p]['exp_avg_q'].numel()} codes for a "
-                        f"parameter of {p.numel()} elements: the loaded checkpoint was saved "
-                        "from another model"
-                    )
+                    self.state[p] = self._fresh_state(p.numel(), p.device)
+                else:
+                    self._check_state_size(self.state[p], p.numel())
             for chunk in self._chunks(params, block):
                 self._step_chunk(group, chunk, block, grad_scale, found_inf)
         return loss

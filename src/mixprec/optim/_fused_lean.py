@@ -44,7 +44,7 @@ from mixprec.optim._split8 import join8_bits, split8_bits
 
 __all__ = ["kahan_adamw_", "split8_adamw_", "lean_adamw_fused_", "fused_adamw_unsupported",
            "wants_fused", "fused_adamw_step", "HyperVectors", "HYPER_NAMES",
-           "COMBO_NODES", "hashed_noise16"]  # fmt: skip
+           "COMBO_NODES", "hashed_bits"]  # fmt: skip
 
 #: The order of a group's hyperparameters in the float64 vector :func:`kahan_adamw_` reads.
 HYPER_NAMES = ("lr", "beta1", "beta2", "eps")
@@ -150,7 +150,7 @@ def _lean_adamw_math_(
 
     ``mode="stochastic"`` rounds ``w * kept - update`` stochastically into the bfloat16
     weight (as :func:`~mixprec.optim._lean.stochastic_round`, with the noise of
-    :func:`hashed_noise16`); ``extras`` hold the step's int64 seed (``None`` for a float32
+    :func:`hashed_bits`); ``extras`` hold the step's int64 seed (``None`` for a float32
     parameter).
 
     ``mode="fp32"`` is float32 masters' step (``master_weights="fp32"``): ``weights``
@@ -182,7 +182,7 @@ def _lean_adamw_math_(
             w.copy_(total)
             extra.copy_(total.to(extra.dtype))
         elif mode == "stochastic" and extra is not None:
-            bits = total.view(torch.int32) + hashed_noise16(extra, i, w.shape, w.device)
+            bits = total.view(torch.int32) + hashed_bits(extra, i, w.shape, w.device)
             rounded = bits.bitwise_and(-65536).view(torch.float32).to(w.dtype)  # 0xFFFF0000
             w.copy_(torch.where(skip, w, rounded))
         elif split8:
@@ -198,6 +198,74 @@ def _lean_adamw_math_(
             w.copy_(torch.where(skip, w, total.to(w.dtype)))
         m.copy_(torch.where(skip, m, m32.to(m.dtype)))
         v.copy_(torch.where(skip, v, v32.to(v.dtype)))
+
+
+def _split8_adamw8bit_math_(
+    mode: str,
+    weights: list[torch.Tensor],
+    extras: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+    grads: list[torch.Tensor],
+    exp_avgs: list[tuple[torch.Tensor, torch.Tensor]],
+    exp_avg_sqs: list[tuple[torch.Tensor, torch.Tensor]],
+    steps: list[torch.Tensor],
+    kept: list[torch.Tensor],
+    hypers: list[torch.Tensor],
+    found_inf: torch.Tensor,
+    maximize: bool = False,
+) -> None:
+    """``mode="split8-8bit"``: ``"split8"`` masters stepped by
+    :class:`~mixprec.optim.AdamW8bit`, in place, neither the float32 masters nor the
+    float32 moments materialised: :func:`_lean_adamw_math_`'s arguments, with
+    ``extras[i]`` the pair (int8 correction or ``None`` for a float32 parameter, the
+    step's int64 seed or ``None`` for round-to-nearest codes) and ``exp_avgs[i]``,
+    ``exp_avg_sqs[i]`` each the pair (codes, float32 block scales) of AdamW8bit's state.
+    Per parameter, in float32 (the gradient zero-padded to whole blocks, as AdamW8bit
+    pads it)::
+
+        m = decode(m_codes) * beta1 + (1 - beta1) * g    # and v: AdamW8bit's format
+        master = join8(w, q) * kept - AdamW's update(m, v)
+        w = round(master);  q = split8(master, w);  codes, scales = encode(m), encode(v)
+
+    The codes are rounded stochastically with the 31 bits of :func:`hashed_bits` per
+    element (:func:`~mixprec.optim._compressed_adamw.noise_from_bits` splits them between
+    the two moments), where the eager ``AdamW8bit`` step draws them from its generator;
+    the rest is its arithmetic (:func:`~mixprec.optim._compressed_adamw.update_chunk`).
+    Codes are picked while still float32 on a skipped step (whole numbers, the same
+    either way; a blend of int8 codes compiles to ten times the cost)."""
+    from mixprec.optim import _compressed_adamw as q8
+
+    applied = 1.0 - found_inf
+    skip = found_inf != 0
+    for i, (w, g, (mq, ms), (vq, vs), step) in enumerate(
+        zip(weights, grads, exp_avgs, exp_avg_sqs, steps)
+    ):
+        correction, seed = extras[i]
+        lr, beta1, beta2, eps = hypers[i].unbind()
+        block = mq.numel() // ms.numel()
+        g32 = -g.float() if maximize else g.float()
+        # The padding's gradient is zero, so it never reaches a block's scale.
+        g32 = torch.nn.functional.pad(g32.flatten(), (0, mq.numel() - g.numel())).view(-1, block)
+        m_codes, v_codes = mq.view(-1, block), vq.view(-1, block)
+        m32 = q8.dequantize_first_moment(m_codes, ms) * beta1 + g32 * (1 - beta1)
+        v32 = q8.dequantize_second_moment(v_codes, vs) * beta2 + g32 * g32 * (1 - beta2)
+        t = step + applied
+        update = m32 / (v32.sqrt() / (1 - beta2**t).sqrt() + eps) * (lr / (1 - beta1**t))
+        noise_m = noise_v = None
+        if seed is not None:
+            noise_m, noise_v = q8.noise_from_bits(
+                hashed_bits(seed, i, m32.shape, m32.device, bits=31))  # fmt: skip
+        new_m_codes, new_m_scales = q8._first_moment_codes(m32, noise_m)
+        new_v_codes, new_v_scales = q8._second_moment_codes(v32, noise_v)
+        start = w.float() if correction is None else join8_bits(w, correction)
+        total = start * kept[i].reshape(()) - update.flatten()[: w.numel()].view(w.shape)
+        rounded = total.to(w.dtype)
+        if correction is not None:
+            correction.copy_(torch.where(skip, correction, split8_bits(total, rounded)))
+        w.copy_(torch.where(skip, w, rounded))
+        m_codes.copy_(torch.where(skip, m_codes.float(), new_m_codes))
+        v_codes.copy_(torch.where(skip, v_codes.float(), new_v_codes))
+        ms.copy_(torch.where(skip, ms, new_m_scales))
+        vs.copy_(torch.where(skip, vs, new_v_scales))
 
 
 _MASK32 = 0xFFFFFFFF
@@ -220,26 +288,33 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hashed_noise16(
-    seed: torch.Tensor, stream: int, shape: torch.Size, device: torch.device
+def hashed_bits(
+    seed: torch.Tensor, stream: int, shape: torch.Size, device: torch.device, bits: int = 16
 ) -> torch.Tensor:
-    """16 random bits per element of a tensor of ``shape`` (int32 in ``[0, 2**16)``),
-    a pure function of the int64 ``seed`` (a 1-element tensor, drawn once a step from
-    the lean mode's generator), the parameter's number ``stream`` in the step and the
-    element's index: ``mix(mix(index) ^ mix(seed + stream * golden))``, the high 16 bits.
-    Counter-based, so a compiled loop computes it in registers (no noise tensor is
-    written or read) and the eager run gives the same bits.
+    """``bits`` random bits (1 to 31) per element of a tensor of ``shape`` (int32 in
+    ``[0, 2**bits)``), a pure function of the int64 ``seed`` (a 1-element tensor, drawn
+    once a step from the optimizer's generator), the parameter's number ``stream`` in
+    the step and the element's index: ``mix(mix(index) ^ mix(seed + stream * golden))``,
+    its high ``bits`` bits. Counter-based, so a compiled loop computes it in registers
+    (no noise tensor is written or read) and the eager run gives the same bits.
 
     >>> seed = torch.tensor([7])
-    >>> a = hashed_noise16(seed, 0, torch.Size([4]), torch.device("cpu"))
-    >>> torch.equal(a, hashed_noise16(seed, 0, torch.Size([4]), torch.device("cpu")))
+    >>> a = hashed_bits(seed, 0, torch.Size([4]), torch.device("cpu"))
+    >>> torch.equal(a, hashed_bits(seed, 0, torch.Size([4]), torch.device("cpu")))
     True
     >>> bool(a.ge(0).all() and a.lt(2**16).all())
+    True
+    >>> torch.equal(hashed_bits(seed, 0, torch.Size([4]), torch.device("cpu"), bits=31) >> 15, a)
     True
     """
     key = _mix32((seed + stream * 0x9E3779B9) & _MASK32)
     index = torch.arange(shape.numel(), dtype=torch.int64, device=device)
-    return (_mix32(_mix32(index) ^ key) >> 16).to(torch.int32).view(shape)
+    return (_mix32(_mix32(index) ^ key) >> (32 - bits)).to(torch.int32).view(shape)
+
+
+def _eager_math(mode: str) -> Any:
+    """The eager function of ``mode``'s step (its own reference)."""
+    return _split8_adamw8bit_math_ if mode == "split8-8bit" else _lean_adamw_math_
 
 
 @functools.cache
@@ -251,9 +326,9 @@ def _compiled(mode: str) -> Any:
     # launches on a GPU. Emulated precision casts: inductor otherwise keeps float32
     # through a round trip to bfloat16, and the compensation, total - float(round(total)),
     # would be lost.
-    code = _lean_adamw_math_.__code__.replace(co_name=f"_lean_adamw_{mode}")
-    math = types.FunctionType(code, _lean_adamw_math_.__globals__, code.co_name,
-                              _lean_adamw_math_.__defaults__)  # fmt: skip
+    eager = _eager_math(mode)
+    code = eager.__code__.replace(co_name=f"_lean_adamw_{mode.replace('-', '_')}")
+    math = types.FunctionType(code, eager.__globals__, code.co_name, eager.__defaults__)
     options: dict[str, Any] = {"combo_kernels": True, "combo_kernel_max_num_nodes": COMBO_NODES,
                                "emulate_precision_casts": True}  # fmt: skip
     return torch.compile(math, fullgraph=True, dynamic=False, options=options)
@@ -278,9 +353,10 @@ def _run_compiled(mode: str, *args: Any) -> None:
 
 
 def lean_adamw_fused_(mode: str, *args: Any) -> None:
-    """:func:`kahan_adamw_` (``mode="kahan"``), :func:`split8_adamw_` (``"split8"``)
-    or float32 masters' step (``"fp32"``: :func:`_lean_adamw_math_`), same arguments
-    after ``mode``, with the elementwise math through ``torch.compile``:
+    """:func:`kahan_adamw_` (``mode="kahan"``), :func:`split8_adamw_` (``"split8"``),
+    float32 masters' step (``"fp32"``: :func:`_lean_adamw_math_`) or ``"split8"``
+    masters with ``AdamW8bit`` (``"split8-8bit"``: :func:`_split8_adamw8bit_math_`),
+    same arguments after ``mode``, with the elementwise math through ``torch.compile``:
     one loop per parameter that reads and writes each tensor once, side by side in a
     few launches on a GPU (inductor's combo kernels). Under a ``TorchDispatchMode``
     (a FLOP counter, a debugging mode) the eager math runs, as ``torch.compile``
@@ -288,26 +364,31 @@ def lean_adamw_fused_(mode: str, *args: Any) -> None:
     ``mixprec.lean_adamw``."""
     steps, found_inf = args[5], args[8]  # (weights, extras, grads, m, v, steps, kept, hypers, found_inf)
     with torch.profiler.record_function("mixprec.lean_adamw"):
-        math = _lean_adamw_math_ if _get_current_dispatch_mode() is not None else _run_compiled
-        math(mode, *args)
+        if _get_current_dispatch_mode() is not None:
+            _eager_math(mode)(mode, *args)
+        else:
+            _run_compiled(mode, *args)
         torch._foreach_add_(steps, 1.0 - found_inf)
 
 
-def wants_fused(optimizer: torch.optim.Optimizer, fused: bool | None) -> bool:
-    """Whether a lean mode steps ``optimizer`` with :func:`lean_adamw_fused_`: never
-    for ``fused=False``; for ``True`` whenever the optimizer is one it can run; for
-    ``None`` (the default) when, besides, every group asked for torch's fused AdamW
-    (``fused=True``) and the parameters are on a GPU where ``torch.compile`` runs.
+def wants_fused(optimizer: torch.optim.Optimizer, fused: bool | None, mode: str) -> bool:
+    """Whether a lean mode steps ``optimizer`` with :func:`lean_adamw_fused_` in
+    ``mode``: never for ``fused=False``; for ``True`` whenever the optimizer is one it
+    can run; for ``None`` (the default) when, besides, the optimizer asked for a fused
+    step (every group of torch's AdamW ``fused=True``; ``AdamW8bit`` not
+    ``fused=False``) and the parameters are on a GPU where ``torch.compile`` runs.
     Never while the optimizer has step hooks (the fused step does not call its
     ``step()``, and hooks must run). Checked every step: hooks and groups can change."""
     from torch.optim import optimizer as optimizer_module
 
-    from mixprec.optim._compressed_adamw import _compile_unsupported
+    from mixprec.optim._compressed_adamw import AdamW8bit, _compile_unsupported
 
     if fused is False:
         return False
+    asked = (optimizer.fused is not False if isinstance(optimizer, AdamW8bit)
+             else all(g.get("fused") for g in optimizer.param_groups))  # fmt: skip
     if fused is None and not (  # the default: cheap checks first, as this runs every step
-        all(g.get("fused") for g in optimizer.param_groups)
+        asked
         and {p.device.type for g in optimizer.param_groups for p in g["params"]} == {"cuda"}
         and _compile_unsupported("cuda") is None
     ):
@@ -318,7 +399,7 @@ def wants_fused(optimizer: torch.optim.Optimizer, fused: bool | None) -> bool:
         optimizer_module._global_optimizer_post_hooks
     ):
         return False
-    return fused_adamw_unsupported(optimizer) is None
+    return fused_adamw_unsupported(optimizer, mode) is None
 
 
 #: One parameter of a fused step: its group, the tensor its optimizer state is kept
@@ -338,14 +419,24 @@ def fused_adamw_step(
     """Step ``entries`` (the parameters with gradients) with :func:`lean_adamw_fused_`,
     one call per device and ``maximize``, ``optimizer.state`` holding torch AdamW's
     state (created on a first step as torch's fused AdamW creates it: float32 moments
-    for ``"split8"``'s masters, the weight's dtype for ``"kahan"``). Returns whether the
+    for ``"split8"``'s masters, the weight's dtype for ``"kahan"``), or for
+    ``"split8-8bit"`` :class:`~mixprec.optim.AdamW8bit`'s (its codes and block scales;
+    one seed a step per device drawn from its checkpointed generator). Returns whether the
     host saw a skip: only a first step that would create state syncs, since a skipped
     step must leave none behind (as the inner step would)."""
+    eight_bit: Any = optimizer if mode == "split8-8bit" else None  # an AdamW8bit
+    if eight_bit is not None:  # a loaded state must fit (checked before anything changes)
+        for _, key, weight, _, _, _ in entries:
+            if optimizer.state.get(key):
+                eight_bit._check_state_size(optimizer.state[key], weight.numel())
     fresh = [e for e in entries if not optimizer.state.get(e[1])]  # get: adds no entry
     if fresh:
         if skip and found_inf.item():
             return True
         for _, key, weight, _, _, _ in fresh:
+            if eight_bit is not None:
+                optimizer.state[key] = eight_bit._fresh_state(weight.numel(), weight.device)
+                continue
             dtype = torch.float32 if mode == "split8" else weight.dtype
             optimizer.state[key] = {
                 "step": torch.zeros((), dtype=torch.float32, device=weight.device),
@@ -355,15 +446,23 @@ def fused_adamw_step(
     calls: dict[tuple[torch.device, bool], list[Entry]] = {}
     for entry in entries:
         if entry[4].is_sparse:
-            raise RuntimeError("AdamW does not support sparse gradients")
+            raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients")
         calls.setdefault((entry[2].device, bool(entry[0].get("maximize"))), []).append(entry)
     for (device, maximize), part in calls.items():
         states = [optimizer.state[e[1]] for e in part]
         one = torch.ones(1, dtype=torch.float32, device=device)
         inf = found_inf.to(device, torch.float32) if skip else torch.zeros((), device=device)
+        extras = [e[3] for e in part]
+        if eight_bit is None:
+            m_states = [s["exp_avg"] for s in states]
+            v_states = [s["exp_avg_sq"] for s in states]
+        else:  # (codes, scales) pairs; the corrections paired with the step's seed
+            m_states = [(s["exp_avg_q"], s["exp_avg_scale"]) for s in states]
+            v_states = [(s["exp_avg_sq_q"], s["exp_avg_sq_scale"]) for s in states]
+            seed = eight_bit._step_seed(device)
+            extras = [(q, seed) for q in extras]
         lean_adamw_fused_(
-            mode, [e[2] for e in part], [e[3] for e in part], [e[4] for e in part],
-            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            mode, [e[2] for e in part], extras, [e[4] for e in part], m_states, v_states,
             [s["step"] for s in states], [one if e[5] is None else e[5] for e in part],
             [hypers(e[0], device) for e in part], inf, maximize,
         )  # fmt: skip
@@ -406,10 +505,18 @@ class HyperVectors:
         return vector
 
 
-def fused_adamw_unsupported(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why :func:`lean_adamw_fused_` cannot take ``optimizer``'s step, or ``None``: it
-    must be ``torch.optim.AdamW`` (or ``Adam`` with decoupled weight decay) without
-    ``amsgrad`` or ``differentiable``, with numbers or tensors for its hyperparameters."""
+def fused_adamw_unsupported(optimizer: torch.optim.Optimizer, mode: str) -> str | None:
+    """Why :func:`lean_adamw_fused_` cannot take ``optimizer``'s step in ``mode``, or
+    ``None``: it must be ``torch.optim.AdamW`` (or ``Adam`` with decoupled weight decay)
+    without ``amsgrad`` or ``differentiable``, with numbers or tensors for its
+    hyperparameters; or, for ``"split8-8bit"``, :class:`~mixprec.optim.AdamW8bit`."""
+    from mixprec.optim._compressed_adamw import AdamW8bit
+
+    if mode == "split8-8bit" or type(optimizer) is AdamW8bit:
+        if type(optimizer) is AdamW8bit and mode == "split8-8bit":
+            return None
+        return (f"{type(optimizer).__name__} with master_weights={mode.split('-')[0]!r}: "
+                "AdamW8bit's fused step is master_weights='split8''s")  # fmt: skip
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
         return f"{type(optimizer).__name__} is not torch.optim.AdamW"
     for group in optimizer.param_groups:

@@ -188,7 +188,7 @@ class LeanUpdates:
     per bfloat16 parameter, against about 38 for the inner step and the rounding, with
     one rounding fewer; stochastic: 14, against about 45). Stochastic rounding's noise
     is then hashed from one seed a step drawn from the same generator
-    (:func:`~mixprec.optim._fused_lean.hashed_noise16`), so no noise tensor is written
+    (:func:`~mixprec.optim._fused_lean.hashed_bits`), so no noise tensor is written
     or read: a different random stream from the eager step's, as unbiased. The state is the inner AdamW's own, so checkpoints move freely
     between the two; the step does not call the inner optimizer's ``step()``, so a
     step with ``step()`` keyword arguments, or an inner optimizer with step hooks,
@@ -210,7 +210,7 @@ class LeanUpdates:
         if fused is not None:
             check_bool("fused", fused, hint="or None (compiled with a fused AdamW on a GPU)")
         if fused:
-            reason = _fused().fused_adamw_unsupported(optimizer) or next(
+            reason = _fused().fused_adamw_unsupported(optimizer, mode) or next(
                 filter(None, map(_compile_unsupported, _device_types(optimizer))), None
             )
             if reason:
@@ -388,7 +388,7 @@ class LeanUpdates:
         """Whether this step is the fused one (see the class docstring)."""
         if step_kwargs:
             return False
-        return bool(_fused().wants_fused(self.optimizer, self.fused))
+        return bool(_fused().wants_fused(self.optimizer, self.fused, self.mode))
 
     def _fused_step(
         self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
@@ -396,7 +396,7 @@ class LeanUpdates:
         """The step as one compiled function per device; returns whether the host saw a
         skip (only when a first step would create state). Stochastic rounding draws one
         seed a step per device from its generator and hashes it into each element's noise
-        (:func:`~mixprec.optim._fused_lean.hashed_noise16`)."""
+        (:func:`~mixprec.optim._fused_lean.hashed_bits`)."""
         kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
         if self.mode == "kahan":
             extras: dict[int, Any] = dict(zip(map(id, self._low), self.compensation))

@@ -344,7 +344,8 @@ class MasterWeights:
         # (imported here: it imports the lean modes, which import this module)
         import mixprec.optim._fused_lean as _fused_lean
 
-        return _fused_lean.wants_fused(self.optimizer, self.fused) and self._fusable()
+        mode = self._fused_mode
+        return _fused_lean.wants_fused(self.optimizer, self.fused, mode) and self._fusable()
 
     def _fusable(self) -> bool:
         return not any(is_dtensor(p) or is_flat_shard(p) for p, _ in self._low)

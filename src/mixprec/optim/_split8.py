@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mixprec.optim._compressed_adamw import AdamW8bit
 from mixprec.optim._masters import SplitMasterWeights, bfloat16_bits32
 
 __all__ = ["CORRECTION_STEP", "split8_bits", "join8_bits", "split8_error_bound",
@@ -140,8 +141,14 @@ class Split8MasterWeights(SplitMasterWeights):
     mode = "split8"
 
     # The fused step (:attr:`fused`) reads and writes each weight, int8 correction,
-    # gradient and moment once: no float32 master or master gradient is built.
+    # gradient and moment once: no float32 master or master gradient is built. With
+    # AdamW8bit, the moments' codes and block scales too: no float32 moment either.
     _fused_mode = "split8"
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        if type(optimizer) is AdamW8bit:
+            self._fused_mode = "split8-8bit"
 
     # The base class keeps one flat buffer per (device, dtype) group and rebuilds or
     # splits a whole group in a few kernels; this mode only changes what is kept.
