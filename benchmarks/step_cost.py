@@ -472,7 +472,8 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     tensor it is given read once, the weights, compensations or corrections and
     moments written once, in one loop per parameter and :data:`COMBO_NODES` loops per
     launch. Float32 masters' model weights (``"fp32"``'s extras) are written only;
-    stochastic rounding's seed (its extras) is read only.
+    stochastic rounding's seed (its extras) is read only; ``"split8-8bit"``'s extras
+    are (correction, seed) pairs and its moments (codes, block scales) pairs.
 
     >>> w = [torch.ones(4, dtype=torch.bfloat16)]
     >>> cost = fused_lean_cost(("kahan", w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
@@ -483,8 +484,12 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     weights, extras, _, exp_avgs, exp_avg_sqs = args[1:6]
     write_only = {id(e) for e in extras if e is not None} if args[0] == "fp32" else set()
     read = [t for t in _unique(list(_tensors(list(args[1:10])))) if id(t) not in write_only]
-    stepped = [c for c in extras if c is not None] if args[0] != "stochastic" else []
-    written = _unique([*weights, *stepped, *exp_avgs, *exp_avg_sqs])
+    stepped: list[Any] = [c for c in extras if c is not None]
+    if args[0] == "stochastic":
+        stepped = []
+    elif args[0] == "split8-8bit":
+        stepped = [correction for correction, _ in extras]
+    written = _unique(list(_tensors([weights, stepped, exp_avgs, exp_avg_sqs])))
     launches = -(-len(weights) // COMBO_NODES)
     return OpCost(launches, sum(map(_nbytes, read)) + sum(map(_nbytes, written)))
 
@@ -527,6 +532,8 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("O2 split8 bf16", _BF16, "O2", master_weights="split8"),
     Variant("O2 split8 fused bf16", _BF16, "O2", master_weights="split8", fused=True),
     Variant("O2 split8+AdamW8bit bf16", _BF16, "O2", master_weights="split8", adamw8bit=True),
+    Variant("O2 split8+AdamW8bit fused bf16", _BF16, "O2", master_weights="split8",
+            adamw8bit=True, fused=True),
     Variant("rewrite bf16", _BF16, "rewrite"),
     Variant("autocast+GradScaler fp16", _FP16, scaler="torch"),
     Variant("autocast+mixprec.GradScaler fp16", _FP16, scaler="mixprec"),
@@ -717,7 +724,7 @@ def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int
     """Take ``warmup`` steps, then count one; return the phase tallies and bytes/param.
     Counting needs the ops, not the speed: the compiled lean step's eager reference
     runs in their place (it compiles nothing)."""
-    with mock.patch.object(_fused_lean, "_compiled", lambda mode: _fused_lean._lean_adamw_math_):
+    with mock.patch.object(_fused_lean, "_compiled", _fused_lean._eager_math):
         return _count_step(prepared, x, y, warmup, limits, baseline)
 
 
@@ -778,17 +785,23 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
 @contextlib.contextmanager
 def _priced_as_compiled(counter: StepCounter) -> Iterator[None]:
     """Price each call of the compiled lean step's math as :func:`fused_lean_cost`."""
-    math = _fused_lean._lean_adamw_math_
+    eager_math = _fused_lean._eager_math
 
-    def priced(*args: Any) -> None:
-        counter.priced_apart = True
-        try:
-            math(*args)
-        finally:
-            counter.priced_apart = False
-        counter.tallies[counter.phase].add(f"{args[0]}_adamw (compiled)", fused_lean_cost(args))
+    def priced_math(mode: str) -> Callable[..., None]:
+        math = eager_math(mode)
 
-    with mock.patch.object(_fused_lean, "_lean_adamw_math_", priced):
+        def priced(*args: Any) -> None:
+            counter.priced_apart = True
+            try:
+                math(*args)
+            finally:
+                counter.priced_apart = False
+            cost = fused_lean_cost(args)
+            counter.tallies[counter.phase].add(f"{args[0]}_adamw (compiled)", cost)
+
+        return priced
+
+    with mock.patch.object(_fused_lean, "_eager_math", priced_math):
         yield
 
 

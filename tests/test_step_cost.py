@@ -205,6 +205,27 @@ def test_the_compiled_o2_step_holds_no_float32_master_gradient():
     assert eager["bytes_per_param_step_peak"] == pytest.approx(20.0, abs=0.1)
 
 
+def test_the_compiled_split8_adamw8bit_step_holds_no_float32_master_or_moment():
+    """split8 masters around AdamW8bit, fused: one priced loop per parameter reads and
+    writes the weights, corrections, codes and block scales; the state at rest is the
+    eager step's, and the peak holds no float32 master, master gradient or moment."""
+    fused, eager = _tiny_counts("O2 split8+AdamW8bit fused bf16"), _tiny_counts(
+        "O2 split8+AdamW8bit bf16")
+    phase = fused["phases"]["optimizer"]
+    launches = dict(phase["top_launches"])
+    assert launches["split8-8bit_adamw (compiled)"] == math.ceil(19 / step_cost.COMBO_NODES)
+    assert "sqrt" not in launches and "random_" not in launches
+    assert phase["launches"] < eager["phases"]["optimizer"]["launches"]
+    assert phase["bytes"] < eager["phases"]["optimizer"]["bytes"]
+    # (plus the fused step's hyperparameter vector: 32 bytes)
+    assert fused["bytes_per_param_at_rest"] == pytest.approx(
+        eager["bytes_per_param_at_rest"], abs=0.01)
+    # the peak: the rest, plus the bfloat16 gradients (2) and the step's few scalars
+    extra = fused["bytes_per_param_step_peak"] - fused["bytes_per_param_at_rest"]
+    assert 2.0 <= extra < 2.1
+    assert eager["bytes_per_param_step_peak"] - eager["bytes_per_param_at_rest"] > 10.0
+
+
 def test_lean_optimizer_launches_do_not_grow_with_parameter_tensors():
     """The lean step gathers, rounds and scatters runs of parameters: what it adds to O3's
     optimizer phase is the same for a model of 8 tensors as for one of 64."""
