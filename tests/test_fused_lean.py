@@ -13,11 +13,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import LossScaleOptimizer
-from mixprec.optim import _fused_lean
+from mixprec.optim import AdamW8bit, _fused_lean
 from mixprec.optim._fused_lean import kahan_adamw_, lean_adamw_fused_
 from mixprec.optim._lean import LeanUpdates
 from mixprec.optim._split8 import join8_bits
-from mixprec.optim import AdamW8bit
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 

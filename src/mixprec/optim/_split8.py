@@ -116,8 +116,9 @@ class Split8MasterWeights(SplitMasterWeights):
     relative; AdamW's updates are 2**-12 relative or more at usual learning rates);
     smaller updates round away, where float32 masters keep them down to 2**-24. Bytes per parameter between steps: weight 2 + correction 1 + the
     inner optimizer's state (AdamW: 8 in float32; :class:`~mixprec.optim.AdamW8bit`:
-    2 and its block scales), against 2 + 4 + 8 for ``"fp32"``. During the step the
-    float32 master and its gradient exist (8 bytes per stepped parameter).
+    2 and its block scales), against 2 + 4 + 8 for ``"fp32"``. During the eager step
+    the float32 master and its gradient exist (8 bytes per stepped parameter); the
+    fused step (:attr:`fused`, with ``AdamW`` or ``AdamW8bit``) builds neither.
 
     Everything else is :class:`SplitMasterWeights`'s: the model's parameters are the
     truth (edits and loads are adopted), ``unscale_()`` shows the masters in the model
