@@ -27,6 +27,7 @@ Two ranks that all-reduce their rank numbers (a few seconds, so not run as a doc
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import tempfile
@@ -72,6 +73,10 @@ def _rank_main(
     )
     try:
         result = fn(rank, *args)
+        # What ``fn`` left in reference cycles (DDP's reducer and its pending gloo work)
+        # goes now, while the group and the interpreter are alive: freed later, during
+        # the interpreter's teardown, gloo's worker threads can abort the process.
+        gc.collect()
         dist.barrier()  # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
