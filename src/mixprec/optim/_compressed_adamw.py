@@ -391,6 +391,11 @@ class AdamW8bit(torch.optim.Optimizer):
     the inner optimizer of ``LossScaleOptimizer(master_weights="split8")`` the stepped
     parameters are the rebuilt float32 masters: weight 2 + correction 1 + moments 2 +
     scales = about 5 bytes per parameter between steps, 7 with bfloat16 gradients.
+    There the masters' fused step (``Split8MasterWeights.fused``: on a GPU unless
+    ``fused=False``) replaces both steps with one compiled loop per parameter over the
+    weight, correction, codes and scales, with no float32 master, master gradient or
+    moment in memory; its codes' noise is hashed from one seed a step drawn from this
+    optimizer's generator.
 
     Against float32 AdamW each step's encoding moves the first moment by at most
     ``1/127`` of its block's absolute maximum (one code; half a code when rounding to
