@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from mixprec import LossScaleOptimizer, amp
 from mixprec.loss_scale import DynamicLossScale
+from mixprec.optim import AdamW8bit
 from mixprec.rewrite import rewrite
 
 pytestmark = [
@@ -107,14 +108,17 @@ def _fused_or_eager(mode: str, fused: bool | None):
     """A bfloat16 MLP with ``mode``'s masters and ``AdamW(fused=True)``; ``fused=None``
     leaves the choice to the default (the compiled step on a GPU)."""
     model = _mlp().bfloat16()
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
-    opt = LossScaleOptimizer(inner, loss_scale=None, master_weights=mode)
+    if mode == "split8-8bit":  # split8 masters around AdamW8bit (its default: fused=None)
+        inner: torch.optim.Optimizer = AdamW8bit(model.parameters(), lr=1e-3, weight_decay=0.1)
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    opt = LossScaleOptimizer(inner, loss_scale=None, master_weights=mode.removesuffix("-8bit"))
     if fused is not None:
         opt._master.fused = fused
     return model, opt
 
 
-@pytest.mark.parametrize("mode", ["kahan", "stochastic", "split8", "fp32"])
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "split8", "fp32", "split8-8bit"])
 def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
     """With AdamW(fused=True) on a GPU the compiled step is taken (one elementwise
     function per step); it trains as the eager step does and, after the first step
@@ -127,7 +131,7 @@ def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
         for i in range(6):
             loss = F.cross_entropy(model(x.bfloat16()).float(), y)
             opt.scale_loss(loss).backward()
-            if fused is None and mode in ("split8", "fp32"):
+            if fused is None and mode in ("split8", "fp32", "split8-8bit"):
                 assert opt._fused_master(False, None) is not None
             elif fused is None:
                 assert opt._master._fuses(None)
@@ -138,7 +142,8 @@ def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         runs.append(model)
-    # (stochastic rounding: another random stream, a few bfloat16 ulps apart)
-    atol = 2e-2 if mode == "stochastic" else 1e-4
+    # (stochastic rounding of weights or codes: another random stream, a few bfloat16
+    # ulps apart)
+    atol = 2e-2 if mode in ("stochastic", "split8-8bit") else 1e-4
     for p, q in zip(*(m.parameters() for m in runs)):
         assert torch.allclose(p.float(), q.float(), rtol=2**-6, atol=atol)
