@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from mixprec.optim import _compressed_adamw as q8
 from mixprec.optim._split8 import join8_bits, split8_bits
 
 __all__ = ["kahan_adamw_", "split8_adamw_", "lean_adamw_fused_", "fused_adamw_unsupported",
@@ -232,8 +233,6 @@ def _split8_adamw8bit_math_(
     the rest is its arithmetic (:func:`~mixprec.optim._compressed_adamw.update_chunk`).
     Codes are picked while still float32 on a skipped step (whole numbers, the same
     either way; a blend of int8 codes compiles to ten times the cost)."""
-    from mixprec.optim import _compressed_adamw as q8
-
     applied = 1.0 - found_inf
     skip = found_inf != 0
     for i, (w, g, (mq, ms), (vq, vs), step) in enumerate(
@@ -381,16 +380,14 @@ def wants_fused(optimizer: torch.optim.Optimizer, fused: bool | None, mode: str)
     ``step()``, and hooks must run). Checked every step: hooks and groups can change."""
     from torch.optim import optimizer as optimizer_module
 
-    from mixprec.optim._compressed_adamw import AdamW8bit, _compile_unsupported
-
     if fused is False:
         return False
-    asked = (optimizer.fused is not False if isinstance(optimizer, AdamW8bit)
+    asked = (optimizer.fused is not False if isinstance(optimizer, q8.AdamW8bit)
              else all(g.get("fused") for g in optimizer.param_groups))  # fmt: skip
     if fused is None and not (  # the default: cheap checks first, as this runs every step
         asked
         and {p.device.type for g in optimizer.param_groups for p in g["params"]} == {"cuda"}
-        and _compile_unsupported("cuda") is None
+        and q8._compile_unsupported("cuda") is None
     ):
         return False
     if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
@@ -510,13 +507,12 @@ def fused_adamw_unsupported(optimizer: torch.optim.Optimizer, mode: str) -> str 
     ``None``: it must be ``torch.optim.AdamW`` (or ``Adam`` with decoupled weight decay)
     without ``amsgrad`` or ``differentiable``, with numbers or tensors for its
     hyperparameters; or, for ``"split8-8bit"``, :class:`~mixprec.optim.AdamW8bit`."""
-    from mixprec.optim._compressed_adamw import AdamW8bit
-
-    if mode == "split8-8bit" or type(optimizer) is AdamW8bit:
-        if type(optimizer) is AdamW8bit and mode == "split8-8bit":
+    eight_bit = type(optimizer) is q8.AdamW8bit
+    if mode == "split8-8bit" or eight_bit:
+        if eight_bit and mode == "split8-8bit":
             return None
         return (f"{type(optimizer).__name__} with master_weights={mode.split('-')[0]!r}: "
-                "AdamW8bit's fused step is master_weights='split8''s")  # fmt: skip
+                "AdamW8bit steps fused only under master_weights='split8'")  # fmt: skip
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
         return f"{type(optimizer).__name__} is not torch.optim.AdamW"
     for group in optimizer.param_groups:
