@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
+import re
 import warnings
 
 import pytest
@@ -604,3 +606,63 @@ def test_adamw8bit_steps_fused_only_under_split8_masters():
     with pytest.raises(RuntimeError, match="saved from another model"):
         _train_masters(model, opt, _data(1))
     assert _equal(before, model.state_dict())
+
+
+# ----------------------------------------------------------------------------- what compiles
+
+
+def _step_arguments(mode: str, sizes: tuple[int, ...]) -> tuple:
+    """One step's arguments of ``mode``'s math for bfloat16 parameters of ``sizes``."""
+    args: list[list] = [[] for _ in range(8)]
+    for n in sizes:
+        w = torch.randn(n).bfloat16()
+        moment = torch.float32 if mode == "split8" else torch.bfloat16
+        m, v = torch.zeros(n, dtype=moment), torch.ones(n, dtype=moment)
+        extra: object = {"kahan": torch.zeros_like(w), "split8": torch.zeros(n, dtype=torch.int8),
+                         "stochastic": torch.tensor([5]), "fp32": w.clone()}.get(mode)  # fmt: skip
+        if mode == "fp32":
+            w = w.float()
+        if mode == "split8-8bit":
+            state = AdamW8bit([torch.nn.Parameter(w.float())])._fresh_state(n, w.device)
+            extra = (torch.zeros(n, dtype=torch.int8), torch.tensor([5]))
+            m = (state["exp_avg_q"], state["exp_avg_scale"])
+            v = (state["exp_avg_sq_q"], state["exp_avg_sq_scale"])
+        row = (w, extra, torch.randn(n).bfloat16(), m, v, torch.ones(()), torch.ones(1),
+               torch.tensor([1e-3, 0.9, 0.999, 1e-8], dtype=torch.float64))  # fmt: skip
+        for column, value in zip(args, row):
+            column.append(value)
+    return (*args, torch.zeros(()))
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "fp32", "split8", "split8-8bit"])
+def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loops(mode):
+    """Each tensor is read and written in registers: the compiled step allocates nothing
+    of a parameter's size (the 8-bit step's block scales and each parameter's bias
+    corrections only), and the bias corrections' float64 powers are computed once per
+    parameter, not in every vector of a loop."""
+    from torch._inductor.utils import run_and_get_code
+
+    sizes = (1536, 1000)  # the second: a partial last 8-bit block
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, (code, *_) = run_and_get_code(
+            _fused_lean.compile_math(mode), mode, *_step_arguments(mode, sizes))
+    shapes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
+    allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in shapes]
+    assert all(numel <= max(sizes) // 256 + 1 for numel in allocated), shapes
+    loops = _loop_bodies(code)
+    assert loops and not any("std::pow" in loop for loop in loops)
+
+
+def _loop_bodies(code: str) -> list[str]:
+    """The bodies of the outermost ``for`` loops of inductor's C++ kernels."""
+    bodies, at = [], 0
+    while (start := code.find("for(int64_t", at)) >= 0:
+        depth, end = 0, code.index("{", start)
+        while True:
+            depth += {"{": 1, "}": -1}.get(code[end], 0)
+            if depth == 0:
+                break
+            end += 1
+        bodies.append(code[start:end])
+        at = end
+    return bodies

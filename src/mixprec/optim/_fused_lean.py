@@ -45,7 +45,7 @@ from mixprec.optim._split8 import join8_bits, split8_bits
 
 __all__ = ["kahan_adamw_", "split8_adamw_", "lean_adamw_fused_", "fused_adamw_unsupported",
            "wants_fused", "fused_adamw_step", "HyperVectors", "HYPER_NAMES",
-           "COMBO_NODES", "hashed_bits"]  # fmt: skip
+           "COMBO_NODES", "hashed_bits", "compile_math"]  # fmt: skip
 
 #: The order of a group's hyperparameters in the float64 vector :func:`kahan_adamw_` reads.
 HYPER_NAMES = ("lr", "beta1", "beta2", "eps")
@@ -144,7 +144,7 @@ def _lean_adamw_math_(
     hypers: list[torch.Tensor],
     found_inf: torch.Tensor,
     maximize: bool = False,
-) -> None:
+) -> list[torch.Tensor] | None:
     """:func:`kahan_adamw_` (``mode="kahan"``, ``extras`` the compensations) or
     :func:`split8_adamw_` (``"split8"``, the corrections) without advancing ``steps``
     (it reads them): the part that compiles into one loop per parameter.
@@ -165,15 +165,14 @@ def _lean_adamw_math_(
     masters adopt every edit of the model before the step)."""
     applied = 1.0 - found_inf
     skip = found_inf != 0
+    corrections: list[torch.Tensor] = []
     for i, (w, g, m, v, step) in enumerate(zip(weights, grads, exp_avgs, exp_avg_sqs, steps)):
         extra = extras[i]
         lr, beta1, beta2, eps = hypers[i].unbind()
         g32 = -g.float() if maximize else g.float()
-        t = step + applied
         m32 = m.float() * beta1 + g32 * (1 - beta1)
         v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
-        step_size = lr / (1 - beta1**t)
-        root2 = (1 - beta2**t).sqrt()
+        step_size, root2 = _bias_corrections(lr, beta1, beta2, step + applied, corrections)
         update = m32 / (v32.sqrt() / root2 + eps) * step_size
         split8 = mode == "split8" and extra is not None
         start = join8_bits(w, extra) if split8 else w.float()
@@ -199,6 +198,7 @@ def _lean_adamw_math_(
             w.copy_(torch.where(skip, w, total.to(w.dtype)))
         m.copy_(torch.where(skip, m, m32.to(m.dtype)))
         v.copy_(torch.where(skip, v, v32.to(v.dtype)))
+    return _kept_on_cpu(weights, corrections)
 
 
 def _split8_adamw8bit_math_(
@@ -213,7 +213,7 @@ def _split8_adamw8bit_math_(
     hypers: list[torch.Tensor],
     found_inf: torch.Tensor,
     maximize: bool = False,
-) -> None:
+) -> list[torch.Tensor] | None:
     """``mode="split8-8bit"``: ``"split8"`` masters stepped by
     :class:`~mixprec.optim.AdamW8bit`, in place, neither the float32 masters nor the
     float32 moments materialised: :func:`_lean_adamw_math_`'s arguments, with
@@ -235,6 +235,7 @@ def _split8_adamw8bit_math_(
     either way; a blend of int8 codes compiles to ten times the cost)."""
     applied = 1.0 - found_inf
     skip = found_inf != 0
+    corrections: list[torch.Tensor] = []
     for i, (w, g, (mq, ms), (vq, vs), step) in enumerate(
         zip(weights, grads, exp_avgs, exp_avg_sqs, steps)
     ):
@@ -247,8 +248,8 @@ def _split8_adamw8bit_math_(
         m_codes, v_codes = mq.view(-1, block), vq.view(-1, block)
         m32 = q8.dequantize_first_moment(m_codes, ms) * beta1 + g32 * (1 - beta1)
         v32 = q8.dequantize_second_moment(v_codes, vs) * beta2 + g32 * g32 * (1 - beta2)
-        t = step + applied
-        update = m32 / (v32.sqrt() / (1 - beta2**t).sqrt() + eps) * (lr / (1 - beta1**t))
+        step_size, root2 = _bias_corrections(lr, beta1, beta2, step + applied, corrections)
+        update = m32 / (v32.sqrt() / root2 + eps) * step_size
         noise_m = noise_v = None
         if seed is not None:
             noise_m, noise_v = q8.noise_from_bits(
@@ -265,16 +266,45 @@ def _split8_adamw8bit_math_(
         v_codes.copy_(torch.where(skip, v_codes.float(), new_v_codes))
         ms.copy_(torch.where(skip, ms, new_m_scales))
         vs.copy_(torch.where(skip, vs, new_v_scales))
+    return _kept_on_cpu(weights, corrections)
+
+
+def _bias_corrections(
+    lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor, t: torch.Tensor,
+    corrections: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """AdamW's step size ``lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` (0-dim,
+    float64: torch's arithmetic), appended to ``corrections`` too (see :func:`_kept_on_cpu`)."""
+    step_size, root2 = lr / (1 - beta1**t), (1 - beta2**t).sqrt()
+    corrections += [step_size, root2]
+    return step_size, root2
+
+
+def _kept_on_cpu(
+    weights: list[torch.Tensor], corrections: list[torch.Tensor]
+) -> list[torch.Tensor] | None:
+    """What the step functions return: the bias corrections on a CPU, nothing elsewhere.
+
+    A compiled function's outputs are kept in memory, so inductor computes each
+    parameter's corrections once, where it would otherwise inline the two float64
+    powers into every vector of the parameter's loop: with errno-preserving libm a C
+    compiler cannot hoist them, and they were half of the kahan loop's time on a CPU.
+    On a GPU each kept number would be a kernel of its own (launches), and a Triton
+    program computes them beside its loads."""
+    on_cpu = bool(weights) and weights[0].device.type == "cpu"
+    return corrections if on_cpu else None
 
 
 _MASK32 = 0xFFFFFFFF
 
 
 def _times32(x: torch.Tensor, factor: int) -> torch.Tensor:
-    """``x * factor`` modulo ``2**32`` for int64 ``x`` in ``[0, 2**32)``: in two 16-bit
-    halves of ``factor``, so no product leaves int64 (an overflow would be undefined)."""
-    high, low = factor >> 16, factor & 0xFFFF
-    return (x * low + ((x * high) & 0xFFFF) * 65536) & _MASK32
+    """``x * factor`` modulo ``2**32`` for int64 ``x`` in ``[0, 2**32)``, in one product
+    below ``2**63`` (an int64 overflow would be undefined): a factor of ``2**31`` or more
+    is ``-(2**32 - factor)`` modulo ``2**32``."""
+    if factor < 2**31:
+        return (x * factor) & _MASK32
+    return -(x * (2**32 - factor)) & _MASK32
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -316,8 +346,21 @@ def _eager_math(mode: str) -> Any:
     return _split8_adamw8bit_math_ if mode == "split8-8bit" else _lean_adamw_math_
 
 
+#: Inductor's limits past which a value read by several loops is kept in a buffer.
+_REALIZE_THRESHOLDS = ("realize_reads_threshold", "realize_opcount_threshold",
+                       "realize_acc_reads_threshold", "realize_cpu_opcount_threshold",
+                       "realize_cpu_acc_reads_threshold")  # fmt: skip
+
+
 @functools.cache
 def _compiled(mode: str) -> Any:
+    """The process's compiled step of ``mode`` (:func:`compile_math`, made once)."""
+    return compile_math(mode)
+
+
+def compile_math(mode: str) -> Any:
+    """``mode``'s elementwise math through ``torch.compile``, a fresh compiled function
+    with a code object of its own (no graphs yet), called with the math's arguments."""
     # One graph per list layout (count, shapes, dtypes): a model's step compiles once.
     # Each mode gets its own copy of the function's code: dynamo keeps its graphs, and
     # counts them against its recompile limit, per code object, and tries them in turn
@@ -330,6 +373,12 @@ def _compiled(mode: str) -> Any:
     math = types.FunctionType(code, eager.__globals__, code.co_name, eager.__defaults__)
     options: dict[str, Any] = {"combo_kernels": True, "combo_kernel_max_num_nodes": COMBO_NODES,
                                "emulate_precision_casts": True}  # fmt: skip
+    if mode == "split8-8bit":
+        # Recompute, never store: left to its thresholds, inductor keeps the decoded
+        # moments, the update and the hash's index in parameter-sized buffers (they feed
+        # the block maxima and then the codes), about 20 bytes per parameter of the
+        # largest tensor at the step's peak, and three more passes over memory.
+        options.update(dict.fromkeys(_REALIZE_THRESHOLDS, 2**31 - 1))
     return torch.compile(math, fullgraph=True, dynamic=False, options=options)
 
 
