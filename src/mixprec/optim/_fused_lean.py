@@ -41,7 +41,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mixprec.optim import _compressed_adamw as q8
-from mixprec.optim._split8 import join8_bits, split8_bits
+from mixprec.optim._split8 import _split8_codes, join8_bits
 
 __all__ = ["kahan_adamw_", "split8_adamw_", "lean_adamw_fused_", "fused_adamw_unsupported",
            "wants_fused", "fused_adamw_step", "HyperVectors", "HYPER_NAMES",
@@ -187,7 +187,7 @@ def _lean_adamw_math_(
             w.copy_(torch.where(skip, w, rounded))
         elif split8:
             rounded = total.to(w.dtype)
-            extra.copy_(torch.where(skip, extra, split8_bits(total, rounded)))
+            extra.copy_(torch.where(skip, extra.float(), _split8_codes(total, rounded)))
             w.copy_(torch.where(skip, w, rounded))
         elif extra is not None:
             total = total + extra.float()
@@ -260,7 +260,7 @@ def _split8_adamw8bit_math_(
         total = start * kept[i].reshape(()) - update.flatten()[: w.numel()].view(w.shape)
         rounded = total.to(w.dtype)
         if correction is not None:
-            correction.copy_(torch.where(skip, correction, split8_bits(total, rounded)))
+            correction.copy_(torch.where(skip, correction.float(), _split8_codes(total, rounded)))
         w.copy_(torch.where(skip, w, rounded))
         m_codes.copy_(torch.where(skip, m_codes.float(), new_m_codes))
         v_codes.copy_(torch.where(skip, v_codes.float(), new_v_codes))

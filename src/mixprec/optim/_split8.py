@@ -42,6 +42,13 @@ def split8_bits(master: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     >>> split8_bits(m, m.bfloat16()).tolist()  # a quarter ulp up; exact; exact
     [64, 0, 0]
     """
+    return _split8_codes(master, weight).to(torch.int8)
+
+
+def _split8_codes(master: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`split8_bits` with the codes still float32 (whole numbers): a compiled step
+    blends them with the old ones on a skip while they are floats (an int8 blend
+    compiles to a scalar loop per vector on a CPU)."""
     # One fresh buffer, worked in place (on a CPU a fresh large buffer costs as much as
     # a pass over it: its pages are faulted in).
     d = bfloat16_bits32(weight)
@@ -51,7 +58,7 @@ def split8_bits(master: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # integer or at least 1/258 from one, so the rounded division floors alike; larger
     # sums are clamped to +-127 either way. Each element is converted where it lies.
     q = d.add_(CORRECTION_STEP // 2).view(torch.float32).copy_(d)
-    return q.div_(CORRECTION_STEP).floor_().clamp_(-127, 127).to(torch.int8)
+    return q.div_(CORRECTION_STEP).floor_().clamp_(-127, 127)
 
 
 def join8_bits(weight: torch.Tensor, correction: torch.Tensor) -> torch.Tensor:
