@@ -611,27 +611,29 @@ def test_adamw8bit_steps_fused_only_under_split8_masters():
 # ----------------------------------------------------------------------------- what compiles
 
 
-def _step_arguments(mode: str, sizes: tuple[int, ...]) -> tuple:
+def step_arguments(mode: str, sizes: tuple[int, ...], device: str = "cpu") -> tuple:
     """One step's arguments of ``mode``'s math for bfloat16 parameters of ``sizes``."""
     args: list[list] = [[] for _ in range(8)]
     for n in sizes:
-        w = torch.randn(n).bfloat16()
+        w = torch.randn(n, device=device).bfloat16()
         moment = torch.float32 if mode == "split8" else torch.bfloat16
-        m, v = torch.zeros(n, dtype=moment), torch.ones(n, dtype=moment)
-        extra: object = {"kahan": torch.zeros_like(w), "split8": torch.zeros(n, dtype=torch.int8),
-                         "stochastic": torch.tensor([5]), "fp32": w.clone()}.get(mode)  # fmt: skip
+        m, v = torch.zeros_like(w, dtype=moment), torch.ones_like(w, dtype=moment)
+        seed = torch.tensor([5], device=device)
+        extra: object = {"kahan": torch.zeros_like(w), "stochastic": seed, "fp32": w.clone(),
+                         "split8": torch.zeros_like(w, dtype=torch.int8)}.get(mode)  # fmt: skip
         if mode == "fp32":
             w = w.float()
         if mode == "split8-8bit":
             state = AdamW8bit([torch.nn.Parameter(w.float())])._fresh_state(n, w.device)
-            extra = (torch.zeros(n, dtype=torch.int8), torch.tensor([5]))
+            extra = (torch.zeros_like(w, dtype=torch.int8), seed)
             m = (state["exp_avg_q"], state["exp_avg_scale"])
             v = (state["exp_avg_sq_q"], state["exp_avg_sq_scale"])
-        row = (w, extra, torch.randn(n).bfloat16(), m, v, torch.ones(()), torch.ones(1),
-               torch.tensor([1e-3, 0.9, 0.999, 1e-8], dtype=torch.float64))  # fmt: skip
+        hyper = torch.tensor([1e-3, 0.9, 0.999, 1e-8], dtype=torch.float64, device=device)
+        row = (w, extra, torch.randn_like(w).bfloat16(), m, v, torch.ones((), device=device),
+               torch.ones(1, device=device), hyper)  # fmt: skip
         for column, value in zip(args, row):
             column.append(value)
-    return (*args, torch.zeros(()))
+    return (*args, torch.zeros((), device=device))
 
 
 @pytest.mark.parametrize("mode", ["kahan", "stochastic", "fp32", "split8", "split8-8bit"])
@@ -645,7 +647,7 @@ def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loo
     sizes = (1536, 1000)  # the second: a partial last 8-bit block
     with torch._inductor.config.patch(fx_graph_cache=False):
         _, (code, *_) = run_and_get_code(
-            _fused_lean.compile_math(mode), mode, *_step_arguments(mode, sizes))
+            _fused_lean.compile_math(mode), mode, *step_arguments(mode, sizes))
     shapes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
     allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in shapes]
     assert all(numel <= max(sizes) // 256 + 1 for numel in allocated), shapes

@@ -5,13 +5,16 @@ Skipped without a CUDA device (CI has none); run them on a GPU machine.
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mixprec import LossScaleOptimizer, amp
 from mixprec.loss_scale import DynamicLossScale
-from mixprec.optim import AdamW8bit
+from mixprec.optim import AdamW8bit, _fused_lean
 from mixprec.rewrite import rewrite
 
 pytestmark = [
@@ -116,6 +119,27 @@ def _fused_or_eager(mode: str, fused: bool | None):
     if fused is not None:
         opt._master.fused = fused
     return model, opt
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic", "split8", "fp32", "split8-8bit"])
+def test_the_compiled_master_steps_are_priced_right_on_cuda(mode):
+    """What the step-cost benchmark assumes of the compiled steps (``fused_lean_cost``),
+    seen in inductor's CUDA code: no buffer of a parameter's size (the 8-bit step's block
+    scales only), so the step's peak is the state at rest and the gradients, and the
+    parameters' loops in one launch per 16 (its combo kernels)."""
+    from test_fused_lean import step_arguments
+    from torch._inductor.utils import run_and_get_code
+
+    sizes = (1 << 16, 1000)  # the second: a partial last 8-bit block
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        _, codes = run_and_get_code(
+            _fused_lean.compile_math(mode), mode, *step_arguments(mode, sizes, "cuda"))
+    code = "\n".join(codes)
+    shapes = re.findall(r"empty_strided_cuda\(\(([^)]*)\)", code)
+    allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in shapes]
+    assert all(numel <= max(sizes) // 256 + 1 for numel in allocated), shapes
+    launches = re.findall(r"^\s+(\w+)\.run\(", code, re.MULTILINE)
+    assert len(launches) == -(-len(sizes) // _fused_lean.COMBO_NODES), launches
 
 
 @pytest.mark.parametrize("mode", ["kahan", "stochastic", "split8", "fp32", "split8-8bit"])
