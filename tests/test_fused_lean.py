@@ -636,7 +636,8 @@ def step_arguments(mode: str, sizes: tuple[int, ...], device: str = "cpu") -> tu
     return (*args, torch.zeros((), device=device))
 
 
-@pytest.mark.parametrize("mode", ["kahan", "stochastic", "fp32", "split8", "split8-8bit"])
+@pytest.mark.parametrize("mode", ["kahan", "split8-8bit"] + [
+    pytest.param(mode, marks=pytest.mark.slow) for mode in ("stochastic", "fp32", "split8")])
 def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loops(mode):
     """Each tensor is read and written in registers: the compiled step allocates nothing
     of a parameter's size (the 8-bit step's block scales and each parameter's bias
