@@ -10,7 +10,13 @@ import torch
 from real_models import images, resnet, train_steps
 
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim._masters import join_bits, split_bits, stochastic_round
+from mixprec.optim._masters import (
+    join_bits,
+    pack_bits,
+    split_bits,
+    stochastic_round,
+    unpack_bits,
+)
 from mixprec.tools._memory import live_tensor_bytes
 
 MODES = ["kahan", "stochastic"]
@@ -164,6 +170,18 @@ def test_split_masters_train_bit_identically_to_fp32_masters():
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_bits_pack_eight_to_a_byte_lowest_first_and_unpack_for_every_byte_and_length():
+    every_byte = torch.tensor([[(v >> k) & 1 for k in range(8)] for v in range(256)]).flatten()
+    assert pack_bits(every_byte).tolist() == list(range(256))
+    assert torch.equal(unpack_bits(pack_bits(every_byte), 2048), every_byte.to(torch.uint8))
+    gen = torch.Generator().manual_seed(0)
+    for n in (0, 1, 7, 8, 9, 63, 65):
+        bits = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int32)
+        packed = pack_bits(bits)
+        assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
+        assert torch.equal(unpack_bits(packed, n), bits.to(torch.uint8))
+
+
 def test_split_bits_round_trip_every_tie_and_sign():
     gen = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (50000,), generator=gen, dtype=torch.int64)
@@ -174,6 +192,12 @@ def test_split_bits_round_trip_every_tie_and_sign():
     low, ties = split_bits(master, weight)
     assert low.dtype == torch.int16 and ties.numel() >= 1
     assert torch.equal(join_bits(weight, low, ties).view(torch.int32), master.view(torch.int32))
+    # Without ties (the usual case) a CPU skips packing and unpacking: the same bits.
+    untied = master[(master.view(torch.int32) & 0xFFFF) != 0x8000]
+    low, ties = split_bits(untied, untied.bfloat16())
+    assert ties.numel() == -(-untied.numel() // 8) and not ties.any()
+    back = join_bits(untied.bfloat16(), low, ties)
+    assert torch.equal(back.view(torch.int32), untied.view(torch.int32))
 
 
 def test_split_and_fp32_checkpoints_load_into_each_other():
