@@ -62,7 +62,7 @@ def kahan_adamw_(
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
-    kept: list[torch.Tensor],
+    kept: list[torch.Tensor | None],
     hypers: list[torch.Tensor],
     found_inf: torch.Tensor,
     maximize: bool = False,
@@ -73,7 +73,7 @@ def kahan_adamw_(
     parameter kept in float32, whose ``compensations[i]`` is ``None``), its gradient,
     torch AdamW's state (``exp_avg``, ``exp_avg_sq`` in the weight's dtype, the
     float32 0-dim ``step``), ``kept[i]`` what decoupled decay keeps (``1 - lr * decay``,
-    a 1-element float32 tensor) and ``hypers[i]`` its group's float64 vector of
+    a 1-element float32 tensor, or ``None``: no decay) and ``hypers[i]`` its group's float64 vector of
     :data:`HYPER_NAMES`. A nonzero ``found_inf`` (float32, 0-dim) leaves everything as
     it was. In float32, with ``t = step + 1``::
 
@@ -105,7 +105,7 @@ def split8_adamw_(
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
-    kept: list[torch.Tensor],
+    kept: list[torch.Tensor | None],
     hypers: list[torch.Tensor],
     found_inf: torch.Tensor,
     maximize: bool = False,
@@ -140,7 +140,7 @@ def _lean_adamw_math_(
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
     steps: list[torch.Tensor],
-    kept: list[torch.Tensor],
+    kept: list[torch.Tensor | None],
     hypers: list[torch.Tensor],
     found_inf: torch.Tensor,
     maximize: bool = False,
@@ -176,7 +176,10 @@ def _lean_adamw_math_(
         update = m32 / (v32.sqrt() / root2 + eps) * step_size
         split8 = mode == "split8" and extra is not None
         start = join8_bits(w, extra) if split8 else w.float()
-        total = start * kept[i].reshape(()) - update  # 0-dim: a 0-dim weight stays so
+        keep = kept[i]  # None: no decay, and no multiply by one in the loop
+        if keep is not None:
+            start = start * keep.reshape(())  # 0-dim: a 0-dim weight stays so
+        total = start - update
         if mode == "fp32" and extra is not None:
             total = torch.where(skip, w, total)
             w.copy_(total)
@@ -209,7 +212,7 @@ def _split8_adamw8bit_math_(
     exp_avgs: list[tuple[torch.Tensor, torch.Tensor]],
     exp_avg_sqs: list[tuple[torch.Tensor, torch.Tensor]],
     steps: list[torch.Tensor],
-    kept: list[torch.Tensor],
+    kept: list[torch.Tensor | None],
     hypers: list[torch.Tensor],
     found_inf: torch.Tensor,
     maximize: bool = False,
@@ -262,7 +265,10 @@ def _split8_adamw8bit_math_(
             w = w.view(-1)
             correction = None if correction is None else correction.view(-1)
         start = w.float() if correction is None else join8_bits(w, correction)
-        total = start * kept[i].reshape(()) - update.flatten()[: w.numel()].view(w.shape)
+        keep = kept[i]
+        if keep is not None:
+            start = start * keep.reshape(())
+        total = start - update.flatten()[: w.numel()].view(w.shape)
         rounded = total.to(w.dtype)
         if correction is not None:
             correction.copy_(torch.where(skip, correction.float(), _split8_codes(total, rounded)))
@@ -501,7 +507,6 @@ def fused_adamw_step(
         calls.setdefault((entry[2].device, bool(entry[0].get("maximize"))), []).append(entry)
     for (device, maximize), part in calls.items():
         states = [optimizer.state[e[1]] for e in part]
-        one = torch.ones(1, dtype=torch.float32, device=device)
         inf = found_inf.to(device, torch.float32) if skip else torch.zeros((), device=device)
         extras = [e[3] for e in part]
         if eight_bit is None:
@@ -514,7 +519,7 @@ def fused_adamw_step(
             extras = [(q, seed) for q in extras]
         lean_adamw_fused_(
             mode, [e[2] for e in part], extras, [e[4] for e in part], m_states, v_states,
-            [s["step"] for s in states], [one if e[5] is None else e[5] for e in part],
+            [s["step"] for s in states], [e[5] for e in part],
             [hypers(e[0], device) for e in part], inf, maximize,
         )  # fmt: skip
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
