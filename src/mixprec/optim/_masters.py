@@ -449,37 +449,28 @@ def split_bits(master: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor
     (True, [1])
     """
     diff = master.view(torch.int32) - bfloat16_bits32(weight)
-    low = diff.to(torch.int16)  # +2**15 wraps to -2**15; the tie bits say where
-    return low, pack_bits(diff.eq_(_TIE).flatten())  # (an in-place int32 compare: 5x a bool one)
+    tie = pack_bits((diff == _TIE).flatten())
+    return diff.to(torch.int16), tie  # +2**15 wraps to -2**15; the tie bits say where
 
 
 def join_bits(weight: torch.Tensor, low: torch.Tensor, ties: torch.Tensor) -> torch.Tensor:
     """The float32 master that :func:`split_bits` split (bit-exact)."""
-    bits = bfloat16_bits32(weight).add_(low)
+    bits = bfloat16_bits32(weight) + low.to(torch.int32)
     tie = unpack_bits(ties, bits.numel()).view(bits.shape)
-    return bits.add_(tie.to(torch.int32), alpha=2 * _TIE).view(torch.float32)  # -2**15 back
-
-
-# Bits are packed and unpacked with shifts, ors and masks of int64 words, eight bits to
-# a word: a few passes over an eighth of the elements. (Broadcast uint8 shifts and a
-# sum over rows of eight, the direct way, cost 5-10x as much on a CPU.)
+    bits += tie.to(torch.int32).mul_(2 * _TIE)  # -2**15 back
+    return bits.view(torch.float32)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
-    """Flat 0/1 ``bits`` (any integer dtype) packed eight to a byte, the first in the
-    lowest bit: ``ceil(n / 8)`` uint8.
+    """Flat 0/1 ``bits`` (bool or any integer dtype) packed eight to a byte, the first in
+    the lowest bit: ``ceil(n / 8)`` uint8, in three kernels (a shift by each bit's place
+    and a sum over rows of eight, after the zero padding).
 
     >>> pack_bits(torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1])).tolist()
     [9, 1]
     """
     padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, -bits.numel() % 8))
-    word = padded.view(torch.int64)  # byte k holds bit k: at bit 8k of the word
-    # Fold bytes onto their neighbours: bit k of the low byte is b_k after three steps
-    # (pairs, fours, eights). Right shifts of non-negative words: nothing overflows.
-    word = word | (word >> 7)
-    word |= word >> 14
-    word |= word >> 28
-    return word.bitwise_and_(0xFF).to(torch.uint8)
+    return (padded.view(-1, 8) << _bit_places(bits.device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
@@ -488,13 +479,17 @@ def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     >>> unpack_bits(torch.tensor([9, 1], dtype=torch.uint8), 9).tolist()
     [1, 0, 0, 1, 0, 0, 0, 0, 1]
     """
-    word = packed.to(torch.int64)
-    # Spread the byte's bits to the bytes of the word (byte k gets bit k): fours, pairs,
-    # ones; every value stays below 2**57.
-    word = (word | (word << 28)).bitwise_and_(0x0000000F0000000F)
-    word = (word | (word << 14)).bitwise_and_(0x0003000300030003)
-    word = (word | (word << 7)).bitwise_and_(0x0101010101010101)
-    return word.view(torch.uint8)[:n]
+    return (packed.unsqueeze(1) >> _bit_places(packed.device)).bitwise_and_(1).flatten()[:n]
+
+
+_PLACES: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_places(device: torch.device) -> torch.Tensor:
+    """``[0, 1, ..., 7]`` as uint8 on ``device`` (made once per device)."""
+    if device not in _PLACES:
+        _PLACES[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return _PLACES[device]
 
 
 class SplitMasterWeights(MasterWeights):
