@@ -138,7 +138,7 @@ def _second_moment_codes(
     u = root / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
     codes = _round(u * 255, noise).clamp_(0, 255)
     # At least 1 where v > 0: sign(v) is 1 there and 0 at v = 0 (where codes are 0). A
-    # blend by the mask v > 0 is 30x the cost on a CPU (a bool tensor, then a where).
+    # bool mask and a blend by it cost several float operations each on a CPU.
     return codes.maximum(v.sign()), scale
 
 

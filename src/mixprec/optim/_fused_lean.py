@@ -73,8 +73,8 @@ def kahan_adamw_(
     parameter kept in float32, whose ``compensations[i]`` is ``None``), its gradient,
     torch AdamW's state (``exp_avg``, ``exp_avg_sq`` in the weight's dtype, the
     float32 0-dim ``step``), ``kept[i]`` what decoupled decay keeps (``1 - lr * decay``,
-    a 1-element float32 tensor, or ``None``: no decay) and ``hypers[i]`` its group's float64 vector of
-    :data:`HYPER_NAMES`. A nonzero ``found_inf`` (float32, 0-dim) leaves everything as
+    a 1-element float32 tensor, or ``None``: no decay) and ``hypers[i]`` its group's
+    float64 vector of :data:`HYPER_NAMES`. A nonzero ``found_inf`` (float32, 0-dim) leaves everything as
     it was. In float32, with ``t = step + 1``::
 
         m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
