@@ -113,7 +113,10 @@ def test_each_kind_of_layer_computes_in_the_levels_dtype(level, low):
     for name in (*WHITE, *NORMS, "relu"):
         in_dtype, params = seen[name]
         want = expected_compute(level, low, name)
-        assert in_dtype == want, (name, in_dtype, want)
+        # O2's float32 BatchNorm takes its low input as it comes (its kernel computes
+        # in float32 from it); every other layer sees the level's dtype.
+        want_in = low if (level, name) == ("O2", "bn") else want
+        assert in_dtype == want_in, (name, in_dtype, want_in)
         assert all(d == want for d in params.values()), (name, params, want)
         module = getattr(model, name)
         stored = {p.dtype for p in module.parameters()}
@@ -160,13 +163,76 @@ def test_batchnorm_running_statistics_stay_float32_under_o2(low):
     assert bn.weight.dtype == F32 and model.conv.weight.dtype == low
 
 
+class _Casts(TorchDispatchMode):
+    """Counts dtype casts (``aten._to_copy``) dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+def _conv_bn_step(low, pass_through):
+    """One O2 forward and backward of a conv-BatchNorm-ReLU net; the BatchNorm takes its
+    low input as it comes or (``pass_through=False``) cast up and back as before."""
+    from mixprec.amp._casting import ModuleAmp
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))  # fmt: skip
+    model, _ = amp.initialize(net, None, "O2", low)
+    x = torch.randn(6, 3, 8, 8) * 2 + 1
+    casts = _Casts()
+    keep = ModuleAmp._takes_low_input if pass_through else (lambda *args: False)
+    with mock.patch.object(ModuleAmp, "_takes_low_input", keep), casts:
+        out = model(x)
+        out.square().sum().backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()}
+    return out, grads, model[1], casts.count
+
+
+@pytest.mark.parametrize("low", LOW, ids=str)
+def test_o2_batchnorm_takes_low_input_without_the_casts_and_computes_the_same(low):
+    out, grads, bn, casts = _conv_bn_step(low, True)
+    ref_out, ref_grads, ref_bn, ref_casts = _conv_bn_step(low, False)
+    # Two casts forward (up on entry, down on exit) and their two backward are gone.
+    assert casts == ref_casts - 4
+    assert torch.equal(out, ref_out)  # float32 arithmetic inside the kernel either way
+    for name, g in ref_grads.items():  # the gradients round in another order
+        torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-3, msg=name)
+    torch.testing.assert_close(bn.running_var, ref_bn.running_var, rtol=1e-5, atol=1e-6)
+    assert bn.weight.dtype == bn.running_mean.dtype == F32
+
+
+def test_batchnorm_keeps_its_casts_where_the_output_is_float32_or_the_input_is_not_low():
+    """O1's ``keep_batchnorm_fp32`` wants a float32 output (computed in float32, never
+    rounded): cast up on entry. A float64 input is cast to the layer's float32."""
+    torch.manual_seed(0)
+    model, _ = amp.initialize(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), None, "O1",
+                              torch.bfloat16, keep_batchnorm_fp32=True)  # fmt: skip
+    seen = record_compute(model, torch.randn(4, 1, 5, 5))
+    assert seen["1"][0] == F32
+    model, _ = amp.initialize(nn.Sequential(nn.BatchNorm1d(3)), None, "O2", torch.bfloat16)
+    seen = record_compute(model, torch.randn(4, 3, dtype=torch.float64))
+    assert seen["0"][0] == torch.bfloat16  # the root cast the model's input: low, passed on
+    bn = nn.BatchNorm1d(3)
+    amp.set_policy(bn, "float32")
+    assert bn(torch.randn(4, 3, dtype=torch.float64)).dtype == F32  # float64 is cast
+
+
 def test_o3_keeps_batchnorm_low_and_keep_batchnorm_fp32_flips_it():
     model, _, _ = make_zoo("O3", torch.bfloat16)
     assert model.bn.running_mean.dtype == torch.bfloat16 and model.ln.weight.dtype == torch.bfloat16
     model, _, _ = make_zoo("O3", torch.bfloat16, keep_batchnorm_fp32=True)
     assert model.bn.running_mean.dtype == F32 and model.ln.weight.dtype == F32
     seen = record_compute(model, torch.randn(5, 1, 4, 4))
-    assert seen["bn"][0] == F32 and seen["fc"][0] == torch.bfloat16
+    # BatchNorm's kernel takes the bfloat16 input with its float32 weights; the
+    # layer norm's input is cast up.
+    assert seen["bn"] == (torch.bfloat16, {"weight": F32, "bias": F32})
+    assert seen["ln"][0] == F32 and seen["fc"][0] == torch.bfloat16
     model, _, _ = make_zoo("O2", torch.bfloat16, keep_batchnorm_fp32=False)
     assert model.bn.weight.dtype == torch.bfloat16
 

@@ -704,7 +704,10 @@ class ModuleAmp:
                 self, module, args, kwargs, _region_stack(), get_state, region_members
             )
         dtype = self.compute_dtype
-        new_args, new_kwargs = cast_floating((args, kwargs), dtype)  # one cast per tensor
+        if self._takes_low_input(module, args, kwargs):
+            new_args, new_kwargs = args, kwargs
+        else:
+            new_args, new_kwargs = cast_floating((args, kwargs), dtype)  # one cast per tensor
         if self.policy is None:
             self._shadow(module)
         else:
@@ -721,6 +724,37 @@ class ModuleAmp:
         if new_args is args and new_kwargs is kwargs:
             return None
         return new_args, new_kwargs
+
+    def _takes_low_input(self, module: nn.Module, args: tuple, kwargs: dict) -> bool:
+        """Whether a float32 BatchNorm takes its low-precision input as it comes: its
+        CPU and CUDA kernels compute in float32 from bfloat16 or float16 input and
+        float32 weights and statistics, so the cast up on entry and the cast down to
+        an output in the input's dtype (O2's normalisation layers) are two passes over
+        the activation forward and two backward that change nothing but the rounding
+        order (torch.autocast and Apex's O2 pass it through too). A float32 output
+        (O1's ``keep_batchnorm_fp32``), other inputs or devices, and ``SyncBatchNorm``
+        (its own kernels) keep the casts."""
+        policy = self.policy
+        if (
+            policy is None
+            or kwargs
+            or len(args) != 1
+            or self.compute_dtype != torch.float32
+            or not isinstance(module, nn.modules.batchnorm._BatchNorm)
+            or isinstance(module, nn.SyncBatchNorm)
+        ):
+            return False
+        x = args[0]
+        return (
+            isinstance(x, torch.Tensor)
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.dtype == policy.output_dtype
+            and x.device.type in ("cpu", "cuda")
+            and all(
+                t is None or t.dtype == torch.float32
+                for t in (module.weight, module.bias, module.running_mean, module.running_var)
+            )
+        )
 
     def _enter_autocast(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         """Enter ``torch.autocast`` for O1's root; leave it off in the region of any

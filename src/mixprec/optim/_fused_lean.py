@@ -517,10 +517,11 @@ def fused_adamw_step(
             v_states = [(s["exp_avg_sq_q"], s["exp_avg_sq_scale"]) for s in states]
             seed = eight_bit._step_seed(device)
             extras = [(q, seed) for q in extras]
+        vectors = {id(e[0]): hypers(e[0], device) for e in part}  # one lookup per group
         lean_adamw_fused_(
             mode, [e[2] for e in part], extras, [e[4] for e in part], m_states, v_states,
             [s["step"] for s in states], [e[5] for e in part],
-            [hypers(e[0], device) for e in part], inf, maximize,
+            [vectors[id(e[0])] for e in part], inf, maximize,
         )  # fmt: skip
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         marked: Any = optimizer  # what an LR scheduler's wrapper of step() records
