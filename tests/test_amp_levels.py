@@ -207,6 +207,32 @@ def test_o2_batchnorm_takes_low_input_without_the_casts_and_computes_the_same(lo
     assert bn.weight.dtype == bn.running_mean.dtype == F32
 
 
+def test_compiled_o2_batchnorm_takes_low_input_too():
+    """The traced hooks decide as the eager ones: 2 casts fewer in the captured graph."""
+    from mixprec.amp._casting import ModuleAmp
+
+    def graph_casts(pass_through):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        model, _ = amp.initialize(net, None, "O2", torch.bfloat16)
+        counts = []
+
+        def backend(gm, example_inputs):
+            counts.append(sum(n.op == "call_method" and n.target == "to" for n in gm.graph.nodes))
+            return gm.forward
+
+        keep = ModuleAmp._takes_low_input if pass_through else (lambda *args: False)
+        with mock.patch.object(ModuleAmp, "_takes_low_input", keep):
+            out = torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 3, 6, 6))
+        torch._dynamo.reset()
+        return counts, out
+
+    (casts,), out = graph_casts(True)
+    (ref_casts,), ref_out = graph_casts(False)
+    assert casts == ref_casts - 2 and torch.equal(out, ref_out)
+
+
 def test_batchnorm_keeps_its_casts_where_the_output_is_float32_or_the_input_is_not_low():
     """O1's ``keep_batchnorm_fp32`` wants a float32 output (computed in float32, never
     rounded): cast up on entry. A float64 input is cast to the layer's float32."""

@@ -1018,7 +1018,10 @@ def traced_pre_hook(
     The region is walked afresh, not read from the owner's cached list: a check of
     that cache would be a guard that fails once the first call has filled it.
     """
-    new_args, new_kwargs = cast_tree((args, kwargs), state.compute_dtype)
+    if state._takes_low_input(module, args, kwargs):  # as the eager hook
+        new_args, new_kwargs = args, kwargs
+    else:
+        new_args, new_kwargs = cast_tree((args, kwargs), state.compute_dtype)
     if state.policy is None:
         if state.shadow_params:
             shadow(module, state.compute_dtype, state._traced_shadows)
