@@ -78,6 +78,41 @@ def test_o2_float16_trains_on_cuda():
     assert model[0].weight.dtype == torch.float16 and opt.master_weights
 
 
+@pytest.mark.parametrize("low", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_o2_batchnorm_takes_low_input_on_cuda(low, channels_last):
+    """cuDNN's (or the native) BatchNorm computes in float32 from a low input with float32
+    weights: O2 passes the input through, and trains as the cast-through path did."""
+    from unittest import mock
+
+    from mixprec.amp._casting import ModuleAmp
+
+    def run(pass_through):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 4),
+        ).cuda()
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        net = net.to(memory_format=fmt)
+        model, opt = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O2", low)
+        x = torch.randn(32, 3, 16, 16, device="cuda").to(memory_format=fmt)
+        y = torch.arange(32, device="cuda") % 4
+        keep = ModuleAmp._takes_low_input if pass_through else (lambda *args: False)
+        with mock.patch.object(ModuleAmp, "_takes_low_input", keep):
+            for _ in range(5):
+                loss = F.cross_entropy(model(x), y)
+                opt.scale_loss(loss).backward()
+                opt.step()
+                opt.zero_grad()
+        return float(loss), model[1].running_var.clone()
+
+    loss, running_var = run(True)
+    ref_loss, ref_running_var = run(False)
+    assert math.isfinite(loss) and abs(loss - ref_loss) < 1e-2 * abs(ref_loss) + 1e-3
+    torch.testing.assert_close(running_var, ref_running_var, rtol=1e-2, atol=1e-3)
+
+
 def test_rewrite_runs_allow_ops_in_float16_on_cuda():
     model = _mlp()
     gm = rewrite(model, (torch.randn(8, 64, device="cuda"),), dtype=torch.float16)
