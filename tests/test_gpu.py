@@ -105,7 +105,7 @@ def test_o2_batchnorm_takes_low_input_on_cuda(low, channels_last):
                 opt.scale_loss(loss).backward()
                 opt.step()
                 opt.zero_grad()
-        return float(loss), model[1].running_var.clone()
+        return loss.item(), model[1].running_var.clone()
 
     loss, running_var = run(True)
     ref_loss, ref_running_var = run(False)
