@@ -118,7 +118,7 @@ from benchmarks._common import (
 )
 from benchmarks.recipes import build_recipe, make_optimizer
 from mixprec import numerics
-from mixprec.optim import _fused_lean
+from mixprec.optim import _fused_lean, _lean
 from mixprec.optim._flat_params import is_dense
 from mixprec.optim._lean import LeanUpdates
 from mixprec.optim._masters import MasterWeights
@@ -734,8 +734,10 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
         prepared.train_step(x, y)
     n_params = sum(p.numel() for p in prepared.model.parameters())
     counter = StepCounter(limits)
-    # The finite check a GPU runs (numerics.CPU_NORM_PREFILTER), not the CPU's own.
+    # The finite check and rounding noise a GPU runs (numerics.CPU_NORM_PREFILTER,
+    # _lean.CPU_MASKED_NOISE), not the CPU's own.
     prefilter, numerics.CPU_NORM_PREFILTER = numerics.CPU_NORM_PREFILTER, False
+    masked_noise, _lean.CPU_MASKED_NOISE = _lean.CPU_MASKED_NOISE, False
     try:
         with counter:
             counter.phase = "forward"
@@ -758,6 +760,7 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
             counter.memory = None
     finally:
         numerics.CPU_NORM_PREFILTER = prefilter
+        _lean.CPU_MASKED_NOISE = masked_noise
     del loss
     at_rest = _live_bytes() - baseline
     phases = {}

@@ -89,6 +89,22 @@ def test_stochastic_round_is_unbiased_and_seeded():
     assert torch.equal(stochastic_round(exact), exact.bfloat16())
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_the_rounding_noise_is_randints_on_either_path(masked, monkeypatch):
+    """The CPU's masked draw (``CPU_MASKED_NOISE``) and the one-kernel ``randint`` draw
+    give the same noise, element for element, and leave the generator in the same state:
+    a run, its checkpoint and the step-cost count (which turns the CPU path off) agree."""
+    from mixprec.optim import _lean
+
+    monkeypatch.setattr(_lean, "CPU_MASKED_NOISE", masked)
+    gen, ref_gen = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+    bits = torch.arange(70001, dtype=torch.int32) * 7919
+    expected = bits + torch.randint(0, 2**16, bits.shape, dtype=torch.int32, generator=ref_gen)
+    assert _lean.add_rounding_noise_(bits, gen) is bits
+    assert torch.equal(bits, expected)
+    assert torch.equal(gen.get_state(), ref_gen.get_state())
+
+
 def test_stochastic_runs_are_reproducible():
     first = _train("stochastic", seed=1, steps=20)[1]
     second = _train("stochastic", seed=1, steps=20)[1]

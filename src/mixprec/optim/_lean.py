@@ -31,11 +31,43 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
     >>> stochastic_round(torch.tensor([1.0, -2.5]))
     tensor([ 1.0000, -2.5000], dtype=torch.bfloat16)
     """
-    bits = x.float().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, device=x.device, dtype=torch.int32,
-                          generator=generator)  # fmt: skip
-    rounded = (bits + noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
+    bits = x.float().view(torch.int32).clone()
+    rounded = add_rounding_noise_(bits, generator).bitwise_and_(-65536)  # 0xFFFF0000
     return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+#: On a CPU, :func:`add_rounding_noise_` draws 31 bits per element and masks them to
+#: 16 (the same numbers as ``randint``, for less work); other devices draw the 16 bits
+#: in one kernel. The step-cost benchmark, which prices a CPU run as a GPU one, turns
+#: this off while it counts.
+CPU_MASKED_NOISE = True
+
+
+def add_rounding_noise_(bits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Add uniform random 16-bit noise (``0 <= noise < 2**16``) to each element of int32
+    ``bits``, in place, from ``generator`` (the device's default if ``None``); returns
+    ``bits``. Truncating the low 16 bits after it rounds a float32 pattern to bfloat16
+    stochastically.
+
+    The noise is ``randint(0, 2**16)``'s, element for element. On a CPU it is drawn as
+    ``random_()`` (one generator call an element, reduced modulo ``2**31``, a constant)
+    and masked to its low 16 bits, which is what ``randint`` computes with a division by
+    a run-time range: measured, 201 against 282 us for 69,632 elements on one thread,
+    the add included. On a GPU ``randint`` is one kernel, the mask would be another.
+
+    >>> bits = torch.zeros(6, dtype=torch.int32)
+    >>> noise = add_rounding_noise_(bits, torch.Generator().manual_seed(0))
+    >>> expected = torch.randint(0, 2**16, (6,), dtype=torch.int32,
+    ...                          generator=torch.Generator().manual_seed(0))
+    >>> noise is bits, torch.equal(bits, expected)
+    (True, True)
+    """
+    if CPU_MASKED_NOISE and bits.device.type == "cpu":
+        noise = torch.empty(bits.shape, dtype=torch.int32).random_(generator=generator)
+        return bits.add_(noise.bitwise_and_(0xFFFF))
+    noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32,
+                          generator=generator)  # fmt: skip
+    return bits.add_(noise)
 
 
 def _fused() -> Any:
@@ -487,10 +519,8 @@ class LeanUpdates:
             return
         # stochastic_round over the members: one draw of noise, in parameter order
         bits = total.view(torch.int32)
-        noise = torch.randint(0, 1 << 16, bits.shape, device=bits.device, dtype=torch.int32,
-                              generator=self._generators[str(bits.device)])  # fmt: skip
-        bits.add_(noise).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
-        del noise
+        generator = self._generators[str(bits.device)]
+        add_rounding_noise_(bits, generator).bitwise_and_(-65536)  # -65536 == 0xFFFF0000
         values.copy_(total)  # exact: the low 16 bits are zero
         if not (run.loose or (whole and run.storage is not None and run.storage.held)):
             _scatter(values, members)
