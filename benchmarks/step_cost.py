@@ -96,7 +96,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -122,6 +121,7 @@ from mixprec.optim import _fused_lean, _lean
 from mixprec.optim._flat_params import is_dense
 from mixprec.optim._lean import LeanUpdates
 from mixprec.optim._masters import MasterWeights
+from mixprec.tools._memory import live_plain_tensors, live_tensor_bytes
 
 __all__ = [
     "MTA_CHUNK",
@@ -383,13 +383,6 @@ class PhaseTally:
             self.by_op[name] += cost.launches
 
 
-def _live_tensors() -> list[torch.Tensor]:
-    gc.collect()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return [o for o in gc.get_objects() if torch.is_tensor(o)]
-
-
 class _LiveStorages:
     """Bytes of live tensor storages, followed op by op: a running total and its peak."""
 
@@ -400,7 +393,7 @@ class _LiveStorages:
         self._finalizers: list[weakref.finalize] = []
 
     def start(self, extra: Sequence[torch.Tensor] = ()) -> None:
-        for t in (*_live_tensors(), *extra):
+        for t in (*live_plain_tensors(), *extra):
             self.see(t)
         self.peak = self.current
 
@@ -713,12 +706,6 @@ def architecture_workloads() -> list[Workload]:
 # ----------------------------------------------------------------------------- measuring
 
 
-def _live_bytes() -> int:
-    from mixprec.tools._memory import live_tensor_bytes
-
-    return live_tensor_bytes()
-
-
 def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int = 2,
                limits: str = "cuda12", baseline: int = 0) -> dict[str, Any]:  # fmt: skip
     """Take ``warmup`` steps, then count one; return the phase tallies and bytes/param.
@@ -762,7 +749,7 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
         numerics.CPU_NORM_PREFILTER = prefilter
         _lean.CPU_MASKED_NOISE = masked_noise
     del loss
-    at_rest = _live_bytes() - baseline
+    at_rest = live_tensor_bytes() - baseline
     phases = {}
     for phase, tally in counter.tallies.items():
         phases[phase] = {
@@ -815,7 +802,7 @@ def count_all(workload: Workload, variants: Sequence[Variant], warmup: int, limi
     for v in variants:
         start = time.perf_counter()
         gc.collect()
-        baseline = _live_bytes()
+        baseline = live_tensor_bytes()
         try:
             prepared = prepare(v, workload.factory, workload.x)
             rows[v.label] = count_step(prepared, workload.x, workload.y, warmup, limits, baseline)

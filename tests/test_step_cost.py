@@ -18,6 +18,7 @@ from benchmarks.step_cost import (
     op_cost,
     prepare,
 )
+from mixprec.tools._memory import live_tensor_bytes
 
 aten = torch.ops.aten
 
@@ -146,7 +147,7 @@ def _tiny_counts(label: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     work = step_cost.Workload("tiny", factory, torch.randn(2, 4, 4, generator=gen),
                               torch.randint(0, 10, (2,), generator=gen))  # fmt: skip
-    baseline = step_cost._live_bytes()  # the batch and whatever else lives already
+    baseline = live_tensor_bytes()  # the batch and whatever else lives already
     prepared = prepare(variant, work.factory, work.x)
     return count_step(prepared, work.x, work.y, warmup=1, baseline=baseline)
 

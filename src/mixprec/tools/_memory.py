@@ -17,13 +17,12 @@ from __future__ import annotations
 import gc
 import resource
 import sys
-import warnings
 
 import torch
 
 __all__ = [
     "max_rss_mib", "proc_status_mib", "current_rss_mib", "peak_rss_mib", "reset_peak_rss",
-    "live_tensor_bytes",
+    "live_tensor_bytes", "live_plain_tensors",
 ]  # fmt: skip
 
 
@@ -71,6 +70,24 @@ def reset_peak_rss() -> bool:
     return True
 
 
+def live_plain_tensors() -> list[torch.Tensor]:
+    """Every live ``torch.Tensor`` or ``Parameter`` of this process (after a garbage
+    collection), not meta: the tensors that own storage. Subclasses (fake, functional,
+    DTensor) hold none of their own and are left out.
+
+    The filter compares each object's exact type, which is several times cheaper than
+    ``torch.is_tensor`` over the millions of objects a long-running process tracks, and
+    reads no attribute of other objects (some torch module objects warn when asked).
+
+    >>> t = torch.zeros(3)
+    >>> any(x is t for x in live_plain_tensors())
+    True
+    """
+    gc.collect()
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return [obj for obj in gc.get_objects() if type(obj) in plain and not obj.is_meta]
+
+
 def live_tensor_bytes() -> int:
     """Bytes of every live plain tensor's storage in this process, each counted once.
 
@@ -80,15 +97,9 @@ def live_tensor_bytes() -> int:
     >>> before = live_tensor_bytes(); kept = torch.zeros(1000); live_tensor_bytes() - before
     4000
     """
-    gc.collect()
-    with warnings.catch_warnings():  # some torch module objects warn when type-checked
-        warnings.simplefilter("ignore")
-        tensors = [obj for obj in gc.get_objects() if torch.is_tensor(obj)]
     seen: set[int] = set()
     total = 0
-    for t in tensors:
-        if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta:
-            continue  # subclasses (fake, functional, DTensor) hold no storage of their own
+    for t in live_plain_tensors():
         storage = t.untyped_storage()
         if storage.nbytes() and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
