@@ -24,10 +24,12 @@ HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    """bfloat16 linears around a float32 LayerNorm (kept in float32, as O3 keeps it)."""
+    """bfloat16 linears around a float32 LayerNorm (kept in float32, as O3 keeps it).
+    Four tensors, three shapes of block (whole, partial, a 4-element bias): each is a
+    loop of the compiled steps, several seconds of compiling on a CPU for the 8-bit one."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
-                                torch.nn.Linear(32, 4))  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False),
+                                torch.nn.LayerNorm(32, bias=False), torch.nn.Linear(32, 4))  # fmt: skip
     model[0].bfloat16()
     model[2].bfloat16()
     return model
@@ -330,9 +332,11 @@ def test_fused_stochastic_trains_as_the_eager_step_does_and_resumes_exactly(trai
         opt, lean = _stochastic(model, fused)
         _train(model, lean, opt, data)
         runs[fused] = (model, opt, lean)
-    for f, e, r in zip(runs[True][0].parameters(), runs[False][0].parameters(), reference):
-        scale = r.abs().max()
-        assert (f.float() - r).abs().max() <= 2 * (e.float() - r).abs().max() + 1e-3 * scale
+    # The mean error over every weight: per tensor, a 4-element bias is a coin toss.
+    errors = {fused: torch.cat([(p.detach().float() - r).abs().flatten()
+                                for p, r in zip(runs[fused][0].parameters(), reference)]).mean()
+              for fused in runs}  # fmt: skip
+    assert errors[True] <= 2 * errors[False]
     model, opt, lean = runs[True]
     clone = _model()
     clone.load_state_dict(model.state_dict())
