@@ -90,7 +90,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import statistics
@@ -801,8 +800,7 @@ def count_all(workload: Workload, variants: Sequence[Variant], warmup: int, limi
     rows: dict[str, Any] = {}
     for v in variants:
         start = time.perf_counter()
-        gc.collect()
-        baseline = live_tensor_bytes()
+        baseline = live_tensor_bytes()  # (it collects garbage first)
         try:
             prepared = prepare(v, workload.factory, workload.x)
             rows[v.label] = count_step(prepared, workload.x, workload.y, warmup, limits, baseline)

@@ -31,7 +31,7 @@ def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) 
     >>> stochastic_round(torch.tensor([1.0, -2.5]))
     tensor([ 1.0000, -2.5000], dtype=torch.bfloat16)
     """
-    bits = x.float().view(torch.int32).clone()
+    bits = x.to(torch.float32, copy=True).view(torch.int32)  # one copy, whatever x's dtype
     rounded = add_rounding_noise_(bits, generator).bitwise_and_(-65536)  # 0xFFFF0000
     return rounded.view(torch.float32).to(torch.bfloat16)
 
