@@ -235,6 +235,20 @@ def test_under_a_dispatch_mode_the_eager_math_runs_and_the_mode_sees_it(trained)
     assert "sqrt" in mode.seen and "_foreach_add_" in mode.seen
 
 
+def test_a_profiler_sees_the_step_as_one_named_range():
+    # The range is opened only while a profiler records (it costs microseconds a step).
+    # Under a dispatch mode the eager math runs, so nothing compiles here.
+    class Quiet(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    args = step_arguments("kahan", ((4, 3),))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with Quiet():
+            lean_adamw_fused_("kahan", *args)
+    assert "mixprec.lean_adamw" in [event.name for event in prof.events()]
+
+
 def test_when_the_fused_step_is_taken():
     model = _model()
     opt, lean = _lean(model, None)
