@@ -465,7 +465,10 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     moments written once, in one loop per parameter and :data:`COMBO_NODES` loops per
     launch. Float32 masters' model weights (``"fp32"``'s extras) are written only;
     stochastic rounding's seed (its extras) is read only; ``"split8-8bit"``'s extras
-    are (correction, seed) pairs and its moments (codes, block scales) pairs.
+    are (correction, seed) pairs and its moments (codes, block scales) pairs. A
+    ``found_inf`` of ``None`` (the step checks the gradients itself) reads every
+    gradient once more, in a reduction per parameter before the loops, grouped as they
+    are, plus one launch that combines the maxima and writes the verdict.
 
     >>> w = [torch.ones(4, dtype=torch.bfloat16)]
     >>> cost = fused_lean_cost(("kahan", w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
@@ -483,7 +486,11 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
         stepped = [correction for correction, _ in extras]
     written = _unique(list(_tensors([weights, stepped, exp_avgs, exp_avg_sqs])))
     launches = -(-len(weights) // COMBO_NODES)
-    return OpCost(launches, sum(map(_nbytes, read)) + sum(map(_nbytes, written)))
+    nbytes = sum(map(_nbytes, read)) + sum(map(_nbytes, written))
+    if args[9] is None:  # the finite check: the gradients read again, the verdict written
+        launches += launches + 1
+        nbytes += sum(map(_nbytes, args[3])) + 4
+    return OpCost(launches, nbytes)
 
 
 # ----------------------------------------------------------------------------- the recipes
@@ -779,14 +786,15 @@ def _priced_as_compiled(counter: StepCounter) -> Iterator[None]:
     def priced_math(mode: str) -> Callable[..., None]:
         math = eager_math(mode)
 
-        def priced(*args: Any) -> None:
+        def priced(*args: Any) -> Any:
             counter.priced_apart = True
             try:
-                math(*args)
+                result = math(*args)
             finally:
                 counter.priced_apart = False
             cost = fused_lean_cost(args)
             counter.tallies[counter.phase].add(f"{args[0]}_adamw (compiled)", cost)
+            return result
 
         return priced
 

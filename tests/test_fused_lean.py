@@ -539,15 +539,20 @@ def test_steps_that_need_float32_master_gradients_take_the_eager_path(
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_fused_masters_skip_a_nonfinite_step_and_change_nothing(masters_trained):
+def test_fused_masters_skip_a_nonfinite_step_and_change_nothing(masters_trained, monkeypatch):
     runs, data, _ = masters_trained
     model, opt, _ = runs[True]
     before = copy.deepcopy((model.state_dict(), opt.inner_optimizer.state_dict(),
                             _float32_masters(opt)))  # fmt: skip
+    skipped = int(opt.skipped_steps)
+    norms = []  # the step checks the gradients in its own graph: no norm apart from it
+    real_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: norms.append(a) or real_norm(*a, **k))
     opt.zero_grad()
     opt.scale_loss(_loss(model, *data[0]) * float("nan")).backward()
     opt.step()
-    assert bool(opt.last_step_skipped)
+    assert bool(opt.last_step_skipped) and int(opt.skipped_steps) == skipped + 1
+    assert norms == []
     after = (model.state_dict(), opt.inner_optimizer.state_dict(), _float32_masters(opt))
     # AdamW8bit draws its rounding seed before the host knows of the skip, as its
     # eager step draws its noise: the generator moves on, nothing else does.
@@ -555,6 +560,25 @@ def test_fused_masters_skip_a_nonfinite_step_and_change_nothing(masters_trained)
         state.pop("rng", None)
     assert _equal(before, after)
 
+
+@pytest.mark.parametrize("setting", ["first step", "skip_nonfinite=False"])
+def test_fused_masters_check_apart_where_the_step_cannot(setting):
+    """A first step checks before it creates state (a skipped one leaves none), and a
+    run that applies non-finite steps checks nothing: both as the eager masters do."""
+    torch.manual_seed(0)
+    model = _model()
+    opt = _masters_opt(model, True, "fp32", skip_nonfinite=setting == "first step")
+    x, y = _data(1)[0]
+    if setting == "skip_nonfinite=False":
+        _train_masters(model, opt, [(x, y)])  # state exists from here on
+    opt.zero_grad()
+    opt.scale_loss(_loss(model, x, y) * float("inf")).backward()
+    opt.step()
+    if setting == "first step":
+        assert bool(opt.last_step_skipped) and not opt.inner_optimizer.state
+    else:
+        assert not bool(opt.last_step_skipped) and int(opt.skipped_steps) == 0
+        assert not all(torch.isfinite(p).all() for p in model.parameters())  # as asked
 
 def test_fused_float32_masters_adopt_a_model_loaded_after_initialize():
     """The model is the truth: weights loaded into it between steps are what the fused

@@ -144,9 +144,9 @@ def _lean_adamw_math_(
     steps: list[torch.Tensor],
     kept: list[torch.Tensor | None],
     hypers: list[torch.Tensor],
-    found_inf: torch.Tensor,
+    found_inf: torch.Tensor | None,
     maximize: bool = False,
-) -> list[torch.Tensor] | None:
+) -> list[torch.Tensor]:
     """:func:`kahan_adamw_` (``mode="kahan"``, ``extras`` the compensations) or
     :func:`split8_adamw_` (``"split8"``, the corrections) without advancing ``steps``
     (it reads them): the part that compiles into one loop per parameter.
@@ -164,7 +164,13 @@ def _lean_adamw_math_(
         master = master * kept - update;  weight = round(master)
 
     A skipped step writes back ``round(master)``, which is the weight already (the
-    masters adopt every edit of the model before the step)."""
+    masters adopt every edit of the model before the step).
+
+    ``found_inf`` ``None`` checks the gradients here (:func:`_gradients_nonfinite`):
+    the step is skipped if any holds an inf or NaN. Returns the verdict (``found_inf``
+    or the check's), then on a CPU the bias corrections (see :func:`_kept_on_cpu`)."""
+    if found_inf is None:
+        found_inf = _gradients_nonfinite(grads)
     applied = 1.0 - found_inf
     skip = found_inf != 0
     corrections: list[torch.Tensor] = []
@@ -203,7 +209,7 @@ def _lean_adamw_math_(
             w.copy_(torch.where(skip, w, total.to(w.dtype)))
         m.copy_(torch.where(skip, m, m32.to(m.dtype)))
         v.copy_(torch.where(skip, v, v32.to(v.dtype)))
-    return _kept_on_cpu(weights, corrections)
+    return [found_inf, *_kept_on_cpu(weights, corrections)]
 
 
 def _split8_adamw8bit_math_(
@@ -216,9 +222,9 @@ def _split8_adamw8bit_math_(
     steps: list[torch.Tensor],
     kept: list[torch.Tensor | None],
     hypers: list[torch.Tensor],
-    found_inf: torch.Tensor,
+    found_inf: torch.Tensor | None,
     maximize: bool = False,
-) -> list[torch.Tensor] | None:
+) -> list[torch.Tensor]:
     """``mode="split8-8bit"``: ``"split8"`` masters stepped by
     :class:`~mixprec.optim.AdamW8bit`, in place, neither the float32 masters nor the
     float32 moments materialised: :func:`_lean_adamw_math_`'s arguments, with
@@ -237,7 +243,10 @@ def _split8_adamw8bit_math_(
     the two moments), where the eager ``AdamW8bit`` step draws them from its generator;
     the rest is its arithmetic (:func:`~mixprec.optim._compressed_adamw.update_chunk`).
     Codes are picked while still float32 on a skipped step (whole numbers, the same
-    either way; a blend of int8 codes compiles to ten times the cost)."""
+    either way; a blend of int8 codes compiles to ten times the cost). ``found_inf``
+    ``None`` and the result as :func:`_lean_adamw_math_`'s."""
+    if found_inf is None:
+        found_inf = _gradients_nonfinite(grads)
     applied = 1.0 - found_inf
     skip = found_inf != 0
     corrections: list[torch.Tensor] = []
@@ -279,7 +288,7 @@ def _split8_adamw8bit_math_(
         v_codes.copy_(torch.where(skip, v_codes.float(), new_v_codes))
         ms.copy_(torch.where(skip, ms, new_m_scales))
         vs.copy_(torch.where(skip, vs, new_v_scales))
-    return _kept_on_cpu(weights, corrections)
+    return [found_inf, *_kept_on_cpu(weights, corrections)]
 
 
 def _bias_corrections(
@@ -293,10 +302,27 @@ def _bias_corrections(
     return step_size, root2
 
 
+def _gradients_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
+    """1.0 if any element of ``grads`` is inf or NaN, else 0.0 (float32, 0-dim): the
+    largest magnitude of each (NaN propagates), then of them all. Inside the compiled
+    step a reduction per gradient that runs before anything is written, where a check
+    apart from it would be several more kernels and host work (on a CPU, a norm call
+    per tensor).
+
+    >>> _gradients_nonfinite([torch.ones(3), torch.tensor([float("nan")])])
+    tensor(1.)
+    """
+    present = [g for g in grads if g.numel()]
+    if not present:
+        return torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    peak = torch.stack([g.abs().amax().float() for g in present]).amax()
+    return torch.logical_not(peak < float("inf")).float()  # NaN < inf is False
+
+
 def _kept_on_cpu(
     weights: list[torch.Tensor], corrections: list[torch.Tensor]
-) -> list[torch.Tensor] | None:
-    """What the step functions return: the bias corrections on a CPU, nothing elsewhere.
+) -> list[torch.Tensor]:
+    """The bias corrections on a CPU, nothing elsewhere (the step functions return them).
 
     A compiled function's outputs are kept in memory, so inductor computes each
     parameter's corrections once, where it would otherwise inline the two float64
@@ -305,7 +331,7 @@ def _kept_on_cpu(
     On a GPU each kept number would be a kernel of its own (launches), and a Triton
     program computes them beside its loads."""
     on_cpu = bool(weights) and weights[0].device.type == "cpu"
-    return corrections if on_cpu else None
+    return corrections if on_cpu else []
 
 
 _MASK32 = 0xFFFFFFFF
@@ -405,18 +431,18 @@ RECOMPILE_LIMIT = 256
 _LIMIT_HIT: Any = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
 
-def _run_compiled(mode: str, *args: Any) -> None:
+def _run_compiled(mode: str, *args: Any) -> list[torch.Tensor]:
     """The compiled math; a layout past dynamo's recompile limit (a process that steps
     many models) compiles under a higher one. The limit is hit before anything runs."""
     compiled = _compiled(mode)
     try:
-        compiled(mode, *args)
+        return compiled(mode, *args)
     except _LIMIT_HIT:
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            compiled(mode, *args)
+            return compiled(mode, *args)
 
 
-def lean_adamw_fused_(mode: str, *args: Any) -> None:
+def lean_adamw_fused_(mode: str, *args: Any) -> torch.Tensor:
     """:func:`kahan_adamw_` (``mode="kahan"``), :func:`split8_adamw_` (``"split8"``),
     float32 masters' step (``"fp32"``: :func:`_lean_adamw_math_`) or ``"split8"``
     masters with ``AdamW8bit`` (``"split8-8bit"``: :func:`_split8_adamw8bit_math_`),
@@ -425,18 +451,21 @@ def lean_adamw_fused_(mode: str, *args: Any) -> None:
     few launches on a GPU (inductor's combo kernels). Under a ``TorchDispatchMode``
     (a FLOP counter, a debugging mode) the eager math runs, as ``torch.compile``
     itself would, so the mode sees the step's ops; a profiler sees the step as
-    ``mixprec.lean_adamw``."""
-    steps, found_inf = args[5], args[8]  # (weights, extras, grads, m, v, steps, kept, hypers, found_inf)
+    ``mixprec.lean_adamw``. A ``found_inf`` of ``None`` has the step check the gradients
+    itself (:func:`_gradients_nonfinite`, in the same graph). Returns the verdict the
+    step went by, ``found_inf`` or its own."""
+    steps = args[5]  # (weights, extras, grads, m, v, steps, kept, hypers, found_inf)
     # The range costs microseconds to open even when no profiler listens: a tenth of
     # a small model's compiled step on a CPU.
     named = (torch.profiler.record_function("mixprec.lean_adamw")
              if torch.autograd._profiler_enabled() else contextlib.nullcontext())  # fmt: skip
     with named:
         if _get_current_dispatch_mode() is not None:
-            _eager_math(mode)(mode, *args)
+            found_inf, *_ = _eager_math(mode)(mode, *args)
         else:
-            _run_compiled(mode, *args)
+            found_inf, *_ = _run_compiled(mode, *args)
         torch._foreach_add_(steps, 1.0 - found_inf)
+    return found_inf
 
 
 def wants_fused(optimizer: torch.optim.Optimizer, fused: bool | None, mode: str) -> bool:
@@ -476,27 +505,41 @@ def fused_adamw_step(
     mode: str,
     optimizer: torch.optim.Optimizer,
     entries: list[Entry],
-    found_inf: torch.Tensor,
+    found_inf: torch.Tensor | None,
     skip: bool,
     hypers: HyperVectors,
-) -> bool:
+) -> tuple[bool, torch.Tensor | None]:
     """Step ``entries`` (the parameters with gradients) with :func:`lean_adamw_fused_`,
     one call per device and ``maximize``, ``optimizer.state`` holding torch AdamW's
     state (created on a first step as torch's fused AdamW creates it: float32 moments
     for ``"split8"``'s masters, the weight's dtype for ``"kahan"``), or for
     ``"split8-8bit"`` :class:`~mixprec.optim.AdamW8bit`'s (its codes and block scales;
-    one seed a step per device drawn from its checkpointed generator). Returns whether the
-    host saw a skip: only a first step that would create state syncs, since a skipped
-    step must leave none behind (as the inner step would)."""
+    one seed a step per device drawn from its checkpointed generator).
+
+    ``found_inf`` ``None`` (with ``skip``) leaves the finite check to the step: inside
+    its one call when there is one (no pass over the gradients apart from it), else
+    before the calls (:func:`~mixprec.numerics.any_nonfinite`), as the calls must agree.
+    Returns (whether the host saw a skip, the verdict the step went by): the host sees
+    one only on a first step that would create state, which syncs, since a skipped step
+    must leave none behind (as the inner step would)."""
+    calls: dict[tuple[torch.device, bool], list[Entry]] = {}
+    for entry in entries:
+        if entry[4].is_sparse:
+            raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients")
+        calls.setdefault((entry[2].device, bool(entry[0].get("maximize"))), []).append(entry)
     eight_bit: Any = optimizer if mode == "split8-8bit" else None  # an AdamW8bit
     if eight_bit is not None:  # a loaded state must fit (checked before anything changes)
         for _, key, weight, _, _, _ in entries:
             if optimizer.state.get(key):
                 eight_bit._check_state_size(optimizer.state[key], weight.numel())
     fresh = [e for e in entries if not optimizer.state.get(e[1])]  # get: adds no entry
+    if found_inf is None and entries and (fresh or len(calls) > 1):
+        from mixprec.numerics import any_nonfinite
+
+        found_inf = any_nonfinite([e[4] for e in entries], entries[0][2].device)
     if fresh:
-        if skip and found_inf.item():
-            return True
+        if skip and found_inf is not None and found_inf.item():
+            return True, found_inf
         for _, key, weight, _, _, _ in fresh:
             if eight_bit is not None:
                 optimizer.state[key] = eight_bit._fresh_state(weight.numel(), weight.device)
@@ -507,14 +550,14 @@ def fused_adamw_step(
                 "exp_avg": torch.zeros_like(weight, dtype=dtype),
                 "exp_avg_sq": torch.zeros_like(weight, dtype=dtype),
             }
-    calls: dict[tuple[torch.device, bool], list[Entry]] = {}
-    for entry in entries:
-        if entry[4].is_sparse:
-            raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients")
-        calls.setdefault((entry[2].device, bool(entry[0].get("maximize"))), []).append(entry)
     for (device, maximize), part in calls.items():
         states = [optimizer.state[e[1]] for e in part]
-        inf = found_inf.to(device, torch.float32) if skip else torch.zeros((), device=device)
+        if found_inf is None:
+            inf = None  # the one call checks its gradients
+        elif skip:
+            inf = found_inf.to(device, torch.float32)
+        else:
+            inf = torch.zeros((), device=device)
         extras = [e[3] for e in part]
         if eight_bit is None:
             m_states = [s["exp_avg"] for s in states]
@@ -528,15 +571,17 @@ def fused_adamw_step(
         for group, *_ in part:  # one lookup per group
             if id(group) not in vectors:
                 vectors[id(group)] = hypers(group, device)
-        lean_adamw_fused_(
+        verdict = lean_adamw_fused_(
             mode, [e[2] for e in part], extras, [e[4] for e in part], m_states, v_states,
             [s["step"] for s in states], [e[5] for e in part],
             [vectors[id(e[0])] for e in part], inf, maximize,
         )  # fmt: skip
+        if found_inf is None:
+            found_inf = verdict
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         marked: Any = optimizer  # what an LR scheduler's wrapper of step() records
         marked._opt_called = True
-    return False
+    return False, found_inf
 
 
 class HyperVectors:

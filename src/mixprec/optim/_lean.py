@@ -443,8 +443,9 @@ class LeanUpdates:
             for group in self.optimizer.param_groups for p in group["params"]
             if p.grad is not None
         ]  # fmt: skip
-        return bool(_fused().fused_adamw_step(
-            self.mode, self.optimizer, entries, found_inf, skip, self._hypers))  # fmt: skip
+        skipped, _ = _fused().fused_adamw_step(
+            self.mode, self.optimizer, entries, found_inf, skip, self._hypers)  # fmt: skip
+        return skipped
 
     def _one(self, device: torch.device) -> torch.Tensor:
         one = self._ones.get(device)

@@ -41,6 +41,7 @@ from mixprec.loss_scale import (
     checked_loss_scale,
     loss_scale_from_spec,
     loss_scale_state,
+    reduction_group,
     refuse_unscaled_gradients,
     restore_loss_scale,
     step_or_skip,
@@ -594,16 +595,37 @@ class LossScaleOptimizer(OptimizerWrapper):
             return None
         return master if master.fuses() else None
 
+    def _checked_in_step(self, fused: Any) -> bool:
+        """Whether the masters' fused step may check the gradients itself (in its
+        graph, no pass over them apart from it): it skips on a non-finite gradient, and
+        no other rank's verdict must be heard first."""
+        return (
+            fused is not None
+            and self.skip_nonfinite
+            and reduction_group(self.process_group) is None
+        )
+
     def _apply(
         self,
         params: list[torch.Tensor],
-        found_inf: torch.Tensor,
+        found_inf: torch.Tensor | None,
         step_kwargs: dict[str, Any] | None = None,
         fused: Any = None,
-    ) -> bool:
+    ) -> tuple[bool, torch.Tensor]:
         """Clip, decay, step (or skip), EMA, copy back, count; leave the scale alone.
-        Returns whether the step is known on the host to have been skipped. ``fused``:
-        the masters whose fused step this is (decay folded in, nothing to copy back)."""
+        Returns (whether the step is known on the host to have been skipped, the
+        verdict it went by). ``fused``: the masters whose fused step this is (decay
+        folded in, nothing to copy back); ``found_inf`` ``None``: their step checks the
+        gradients itself (:meth:`_checked_in_step`)."""
+        if found_inf is None:
+            skipped, verdict = fused.fused_step(None, True, self.decoupled_weight_decay)
+            found_inf = (verdict if verdict is not None else
+                         torch.zeros((), dtype=torch.float32, device=self.loss_scaler.device))  # fmt: skip
+            if self._ema is not None:
+                self._ema.update(params, 1.0 - found_inf,
+                                 self._counters.applied.to(found_inf.device))  # fmt: skip
+            self._counters.record(found_inf)
+            return skipped, found_inf
         if not self.skip_nonfinite:
             found_inf = torch.zeros_like(found_inf)
         # 1 on an applied step, 0 on a skipped one: decay and EMA multiply by it.
@@ -618,7 +640,8 @@ class LossScaleOptimizer(OptimizerWrapper):
             ):  # fmt: skip
                 decay_(self._inner.param_groups, self.decoupled_weight_decay, applied)
         if fused is not None:
-            skipped = fused.fused_step(found_inf, self.skip_nonfinite, self.decoupled_weight_decay)
+            skipped, _ = fused.fused_step(
+                found_inf, self.skip_nonfinite, self.decoupled_weight_decay)  # fmt: skip
         elif lean is None:
             _, skipped = step_or_skip(
                 self._inner, found_inf, skip=self.skip_nonfinite, kwargs=step_kwargs
@@ -632,7 +655,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         if self._master is not None and fused is None:
             self._master.masters_to_model()
         self._counters.record(found_inf)
-        return skipped
+        return skipped, found_inf
 
     def _clip(self, params: list[torch.Tensor]) -> None:
         """Clip the gradients of the stepped ``params`` by the options set. FSDP1 flat
@@ -651,10 +674,16 @@ class LossScaleOptimizer(OptimizerWrapper):
         """The step on the gradients in ``.grad``: still scaled, or already ``unscaled``."""
         params = self._stepped_params()
         fused = self._fused_master(unscaled, step_kwargs)
-        found_inf = self._prepare(params, unscaled, fused is not None)
-        if found_inf is None:  # inside an accumulation window: nothing changes yet
-            return
-        skipped = self._apply(params, found_inf, step_kwargs, fused)
+        if self._checked_in_step(fused):  # what _unscale does, but the check
+            if not self.loss_scaler.take_scaled(self):
+                refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
+            self._scale_used = None  # (1, as the scale is fixed at one)
+            found_inf = None
+        else:
+            found_inf = self._prepare(params, unscaled, fused is not None)
+            if found_inf is None:  # inside an accumulation window: nothing changes yet
+                return
+        skipped, found_inf = self._apply(params, found_inf, step_kwargs, fused)
         self.loss_scaler.update(found_inf=found_inf)
         self.loss_scaler.observe_step(skipped)  # may raise ScaleCollapseError
 

@@ -353,25 +353,35 @@ class MasterWeights:
         return not any(is_dtensor(p) or is_flat_shard(p) for p, _ in self._low)
 
     def fused_step(
-        self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
-    ) -> bool:
+        self, found_inf: torch.Tensor | None, skip: bool, weight_decay: float | None
+    ) -> tuple[bool, torch.Tensor | None]:
         """Step the masters with one compiled function per device from the model's own
         gradients (decoupled decay, the inner optimizer's and ``weight_decay``, folded
         in) and write the rounded weights into the model: no float32 master gradient
-        and no copy back. Returns whether the host saw a skip."""
+        and no copy back. ``found_inf`` ``None`` has the step check the gradients
+        itself (``skip`` must be true). Returns (whether the host saw a skip, the
+        verdict the step went by: ``found_inf`` or its own, ``None`` if no parameter
+        had a gradient)."""
         import mixprec.optim._fused_lean as _fused_lean
         from mixprec.optim._lean import kept_fractions
 
         if self._hypers is None:
             self._hypers = _fused_lean.HyperVectors()
-        kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
+        if found_inf is None:
+            # A skipped step keeps every weight whatever decay would keep, so the
+            # fractions are those of an applied step.
+            device = self.model_params[0].device if self.model_params else torch.device("cpu")
+            kept = kept_fractions(self.optimizer, torch.zeros((), device=device), False,
+                                  weight_decay)  # fmt: skip
+        else:
+            kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
         with torch.no_grad():
-            skipped = _fused_lean.fused_adamw_step(
+            skipped, verdict = _fused_lean.fused_adamw_step(
                 self._fused_mode or "", self.optimizer, self._fused_entries(kept), found_inf,
                 skip, self._hypers,
             )  # fmt: skip
         self._mark_model_current()
-        return bool(skipped)
+        return skipped, verdict
 
     def _fused_entries(self, kept: dict[int, torch.Tensor]) -> list[Any]:
         """:func:`~mixprec.optim._fused_lean.fused_adamw_step`'s entries: per parameter
