@@ -563,22 +563,33 @@ def test_fused_masters_skip_a_nonfinite_step_and_change_nothing(masters_trained,
 
 @pytest.mark.parametrize("setting", ["first step", "skip_nonfinite=False"])
 def test_fused_masters_check_apart_where_the_step_cannot(setting):
-    """A first step checks before it creates state (a skipped one leaves none), and a
-    run that applies non-finite steps checks nothing: both as the eager masters do."""
+    """A first step checks before it creates state (a skipped one leaves none) and
+    compiles the graph every later step runs (one graph); a run that applies non-finite
+    steps checks nothing. Both as the eager masters do."""
+    from torch._dynamo.utils import counters
+
     torch.manual_seed(0)
-    model = _model()
+    model = torch.nn.Linear(8, 3, bias=False).bfloat16()  # a layout of its own
     opt = _masters_opt(model, True, "fp32", skip_nonfinite=setting == "first step")
-    x, y = _data(1)[0]
-    if setting == "skip_nonfinite=False":
-        _train_masters(model, opt, [(x, y)])  # state exists from here on
-    opt.zero_grad()
-    opt.scale_loss(_loss(model, x, y) * float("inf")).backward()
-    opt.step()
+    x = torch.randn(4, 8).bfloat16()
+
+    def step(scale: float) -> None:
+        opt.zero_grad()
+        opt.scale_loss(model(x).float().pow(2).mean() * scale).backward()
+        opt.step()
+
     if setting == "first step":
+        step(float("inf"))
         assert bool(opt.last_step_skipped) and not opt.inner_optimizer.state
+        graphs = counters["stats"]["unique_graphs"]
+        for _ in range(3):
+            step(1.0)
+        assert int(opt.iterations) == 3 and counters["stats"]["unique_graphs"] == graphs + 1
     else:
+        step(1.0)  # state exists from here on
+        step(float("inf"))
         assert not bool(opt.last_step_skipped) and int(opt.skipped_steps) == 0
-        assert not all(torch.isfinite(p).all() for p in model.parameters())  # as asked
+        assert not torch.isfinite(model.weight).all()  # applied, as asked
 
 def test_fused_float32_masters_adopt_a_model_loaded_after_initialize():
     """The model is the truth: weights loaded into it between steps are what the fused

@@ -519,6 +519,8 @@ def fused_adamw_step(
     ``found_inf`` ``None`` (with ``skip``) leaves the finite check to the step: inside
     its one call when there is one (no pass over the gradients apart from it), else
     before the calls (:func:`~mixprec.numerics.any_nonfinite`), as the calls must agree.
+    A first step checks before it too, as it must know whether to create state, and
+    its call still checks (the same verdict): one compiled graph for every step.
     Returns (whether the host saw a skip, the verdict the step went by): the host sees
     one only on a first step that would create state, which syncs, since a skipped step
     must leave none behind (as the inner step would)."""
@@ -533,7 +535,8 @@ def fused_adamw_step(
             if optimizer.state.get(key):
                 eight_bit._check_state_size(optimizer.state[key], weight.numel())
     fresh = [e for e in entries if not optimizer.state.get(e[1])]  # get: adds no entry
-    if found_inf is None and entries and (fresh or len(calls) > 1):
+    in_call = found_inf is None and len(calls) == 1
+    if found_inf is None and entries and (fresh or not in_call):
         from mixprec.numerics import any_nonfinite
 
         found_inf = any_nonfinite([e[4] for e in entries], entries[0][2].device)
@@ -552,9 +555,9 @@ def fused_adamw_step(
             }
     for (device, maximize), part in calls.items():
         states = [optimizer.state[e[1]] for e in part]
-        if found_inf is None:
+        if in_call:
             inf = None  # the one call checks its gradients
-        elif skip:
+        elif skip and found_inf is not None:
             inf = found_inf.to(device, torch.float32)
         else:
             inf = torch.zeros((), device=device)
@@ -576,7 +579,7 @@ def fused_adamw_step(
             [s["step"] for s in states], [e[5] for e in part],
             [vectors[id(e[0])] for e in part], inf, maximize,
         )  # fmt: skip
-        if found_inf is None:
+        if in_call:
             found_inf = verdict
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         marked: Any = optimizer  # what an LR scheduler's wrapper of step() records
