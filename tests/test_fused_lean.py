@@ -307,8 +307,12 @@ def test_an_lr_scheduler_on_the_inner_optimizer_sees_its_step(trained):
         scheduler.step()
 
 
-def test_loss_scale_optimizer_takes_the_fused_step_with_its_options(trained):
-    """Through LossScaleOptimizer: decoupled decay and skip on a non-finite gradient."""
+def test_loss_scale_optimizer_takes_the_fused_step_with_its_options(trained, monkeypatch):
+    """Through LossScaleOptimizer: decoupled decay and skip on a non-finite gradient,
+    which the step finds itself (no norm of the gradients apart from it)."""
+    norms = []
+    real_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: norms.append(a) or real_norm(*a, **k))
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
     opt = LossScaleOptimizer(inner, loss_scale=None, master_weights="kahan", weight_decay=0.01)
@@ -318,11 +322,14 @@ def test_loss_scale_optimizer_takes_the_fused_step_with_its_options(trained):
         opt.scale_loss(_loss(model, x, y)).backward()
         opt.step()
     assert int(opt.iterations) == 3 and float(inner.state[model[0].weight]["step"]) == 3
+    assert norms  # the first step's check, which must know before it creates state
+    norms.clear()
     before = copy.deepcopy(model.state_dict())
     opt.zero_grad()
     opt.scale_loss(_loss(model, *trained["data"][0]) * float("inf")).backward()
     opt.step()
     assert int(opt.skipped_steps) == 1 and _equal(before, model.state_dict())
+    assert norms == []
 
 
 # ----------------------------------------------------------------------------- stochastic

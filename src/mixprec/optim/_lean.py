@@ -379,10 +379,9 @@ class LeanUpdates:
         (kahan: ``addcmul``, round, remainder), and float32 parameters are decayed by one
         foreach op.
         """
-        self._follow()
         if self._fuses(step_kwargs):
-            with torch.no_grad():
-                return self._fused_step(found_inf, skip, weight_decay)
+            return self.fused_step(found_inf, skip, weight_decay)[0]  # (it follows too)
+        self._follow()
         with torch.no_grad():
             flats = self._buffers()
             if self.mode == "kahan":  # views of the runs' flat storage, made once
@@ -422,14 +421,28 @@ class LeanUpdates:
             return False
         return bool(_fused().wants_fused(self.optimizer, self.fused, self.mode))
 
-    def _fused_step(
-        self, found_inf: torch.Tensor, skip: bool, weight_decay: float | None
-    ) -> bool:
-        """The step as one compiled function per device; returns whether the host saw a
-        skip (only when a first step would create state). Stochastic rounding draws one
-        seed a step per device from its generator and hashes it into each element's noise
-        (:func:`~mixprec.optim._fused_lean.hashed_bits`)."""
-        kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
+    def fuses(self) -> bool:
+        """Whether the next step (without keyword arguments) is the fused one."""
+        return self._fuses(None)
+
+    def fused_step(
+        self, found_inf: torch.Tensor | None, skip: bool, weight_decay: float | None
+    ) -> tuple[bool, torch.Tensor | None]:
+        """The step as one compiled function per device; returns (whether the host saw
+        a skip, only when a first step would create state; the verdict the step went
+        by). ``found_inf`` ``None`` has the step check the gradients itself (``skip``
+        must be true), as :meth:`~mixprec.typing.MasterWeights.fused_step`. Stochastic
+        rounding draws one seed a step per device from its generator and hashes it into
+        each element's noise (:func:`~mixprec.optim._fused_lean.hashed_bits`)."""
+        self._follow()
+        if found_inf is None:
+            # A skipped step keeps every weight whatever decay would keep, so the
+            # fractions are those of an applied step.
+            device = self._low[0].device if self._low else torch.device("cpu")
+            kept = kept_fractions(self.optimizer, torch.zeros((), device=device), False,
+                                  weight_decay)  # fmt: skip
+        else:
+            kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
         if self.mode == "kahan":
             extras: dict[int, Any] = dict(zip(map(id, self._low), self.compensation))
         else:
@@ -443,9 +456,9 @@ class LeanUpdates:
             for group in self.optimizer.param_groups for p in group["params"]
             if p.grad is not None
         ]  # fmt: skip
-        skipped, _ = _fused().fused_adamw_step(
-            self.mode, self.optimizer, entries, found_inf, skip, self._hypers)  # fmt: skip
-        return skipped
+        with torch.no_grad():
+            return _fused().fused_adamw_step(
+                self.mode, self.optimizer, entries, found_inf, skip, self._hypers)  # fmt: skip
 
     def _one(self, device: torch.device) -> torch.Tensor:
         one = self._ones.get(device)

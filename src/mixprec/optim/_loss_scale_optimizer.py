@@ -580,11 +580,12 @@ class LossScaleOptimizer(OptimizerWrapper):
         return agree_on_found_inf(found_inf, self.process_group)
 
     def _fused_master(self, unscaled: bool, step_kwargs: dict[str, Any] | None) -> Any:
-        """The masters when this step can be their fused one (no float32 master
-        gradient needed in memory: see ``MasterWeights.fused``), else ``None``."""
+        """The masters (or the lean level's updates) when this step can be their fused
+        one (no float32 master gradient needed in memory: see ``MasterWeights.fused``)
+        and nothing must see the gradients unscaled before it, else ``None``."""
         master = self._master
         if (
-            not isinstance(master, MasterWeights)
+            not isinstance(master, (MasterWeights, LeanUpdates))
             or unscaled
             or step_kwargs
             or self._unscaled_found_inf is not None
@@ -596,7 +597,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         return master if master.fuses() else None
 
     def _checked_in_step(self, fused: Any) -> bool:
-        """Whether the masters' fused step may check the gradients itself (in its
+        """Whether the fused step (masters' or lean's) may check the gradients itself (in its
         graph, no pass over them apart from it): it skips on a non-finite gradient, and
         no other rank's verdict must be heard first."""
         return (
