@@ -70,9 +70,8 @@ storage an op creates during the step, minus those freed, at its highest), both
 after the batch's own bytes are taken out.
 
 **Host time** per step (tiny tensors, so the time is Python and dispatch, not
-arithmetic): each recipe stepped in one interleaved loop with a copy of its anchor
-(:func:`benchmarks._common.interleaved`, :func:`time_all`), medians and quartiles of
-the per-round ratio to the anchor. The same
+arithmetic): every recipe stepped in one interleaved loop (:func:`benchmarks._common.
+interleaved`), medians and quartiles of the per-round ratio to the anchor. The same
 runs on real architectures (a Hugging Face GPT-2 from a config, a ResNet-style CNN
 with BatchNorm, ``nn.TransformerEncoder`` in mixprec's ``TransformerClassifier``, an
 LSTM language model) as CPU wall-clock ratios.
@@ -827,52 +826,34 @@ def _quartiles(samples: Sequence[float]) -> tuple[float, float]:
 
 def time_all(workload: Workload, variants: Sequence[Variant], warmup: int, repeats: int,
              log: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
-    """Host time per step of every variant beside its anchor; ratios to the anchor.
-
-    Each variant is interleaved with a fresh copy of its anchor, two models at a time:
-    stepping every recipe in one loop leaves each step's model and allocations cold
-    (sixteen small transformers in turn ran every step, the anchor's included, at about
-    twice its time alone), which adds the same time to every row and pulls every ratio
-    towards 1. The anchor's row gathers its samples from every pair."""
-    by_label = {v.label: v for v in variants}
-    rows: dict[str, Any] = {}
-    anchor_samples: dict[str, list[float]] = {}
-    start = time.perf_counter()
-    pairs = 0
+    """Host time per step of every variant, interleaved; ratios to each row's anchor."""
+    cases, errors = [], {}
     for v in variants:
-        if v.anchor == v.label or v.anchor not in by_label:
+        try:
+            p = prepare(v, workload.factory, workload.x)
+            p.train_step(workload.x, workload.y)  # fails here, not inside the timed loop
+        except Exception as err:
+            errors[v.label] = f"{type(err).__name__}: {err}"
             continue
-        cases, error = [], None
-        for member in (by_label[v.anchor], v):
-            try:
-                p = prepare(member, workload.factory, workload.x)
-                p.train_step(workload.x, workload.y)  # fails here, not inside the timed loop
-            except Exception as err:
-                error = (member.label, f"{type(err).__name__}: {err}")
-                break
-            cases.append(Case(member.label, (lambda p=p: p.train_step(workload.x, workload.y))))
-        if error is not None:
-            rows[error[0]] = {"error": error[1]}
+        cases.append(Case(v.label, (lambda p=p: p.train_step(workload.x, workload.y))))
+    start = time.perf_counter()
+    times = interleaved(cases, warmup, repeats) if cases else {}
+    log(f"  timed {workload.name}: {len(cases)} recipes in {time.perf_counter() - start:.1f} s")
+    rows: dict[str, Any] = {label: {"error": e} for label, e in errors.items()}
+    for v in variants:
+        if v.label not in times:
             continue
-        times = interleaved(cases, warmup, repeats)
-        pairs += 1
-        samples, anchor = times[v.label], times[v.anchor]
-        anchor_samples.setdefault(v.anchor, []).extend(anchor)
-        rows[v.label] = {
+        samples = times[v.label]
+        row: dict[str, Any] = {
             "median_ms": 1e3 * statistics.median(samples),
             "quartiles_ms": [1e3 * q for q in _quartiles(samples)],
             "n": len(samples),
-            "ratio": paired_ratio(samples, anchor),
-            "ratio_quartiles": list(paired_quartiles(samples, anchor)),
         }
-    log(f"  timed {workload.name}: {pairs} recipes beside their anchor in "
-        f"{time.perf_counter() - start:.1f} s")  # fmt: skip
-    for label, samples in anchor_samples.items():
-        if label not in rows:
-            rows[label] = {"median_ms": 1e3 * statistics.median(samples),
-                           "quartiles_ms": [1e3 * q for q in _quartiles(samples)],
-                           "n": len(samples), "ratio": 1.0, "ratio_quartiles": [1.0, 1.0]}  # fmt: skip
-    return {label: rows[label] for label in [*by_label, *rows] if label in rows}
+        if v.anchor in times:
+            row["ratio"] = paired_ratio(samples, times[v.anchor])
+            row["ratio_quartiles"] = list(paired_quartiles(samples, times[v.anchor]))
+        rows[v.label] = row
+    return rows
 
 
 # ----------------------------------------------------------------------------- the report
@@ -940,9 +921,8 @@ def render(doc: dict[str, Any]) -> str:
     if doc.get("timing"):
         t = doc["timing"]
         lines += [
-            f"### Host time per step: CPU, each recipe interleaved with its anchor "
-            f"({t['repeats']} rounds, medians; ratio = median of per-round ratios to the "
-            "anchor, [quartiles])",
+            f"### Host time per step: CPU, interleaved ({t['repeats']} rounds, medians; "
+            "ratio = median of per-round ratios to the anchor, [quartiles])",
             "",
         ]
         names = list(t["workloads"])

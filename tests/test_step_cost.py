@@ -303,17 +303,3 @@ def test_the_gpu_check_runs_on_a_cpu_with_the_estimates_and_no_measurements(tmp_
         times = row["phase_times"]
         assert list(times) == ["forward", "backward", "optimizer"]
         assert all(0 < t["host_ms"] <= t["total_ms"] for t in times.values())
-
-
-def test_each_recipe_is_timed_beside_a_copy_of_its_anchor():
-    """Host time: a pair per recipe (its anchor and it, interleaved), so the anchor's row
-    gathers its samples from every pair and each ratio is paired within one pair."""
-    workload = step_cost.transformer_workload(False, 2)
-    labels = ("autocast bf16", "O3 bf16", "O2 bf16")
-    variants = [v for v in step_cost.VARIANTS if v.label in labels]
-    logged: list[str] = []
-    rows = step_cost.time_all(workload, variants, 1, 2, logged.append)
-    assert list(rows) == [v.label for v in variants]  # in the variants' order
-    assert rows["autocast bf16"]["n"] == 4 and rows["autocast bf16"]["ratio"] == 1.0
-    assert all(rows[label]["n"] == 2 and rows[label]["ratio"] > 0 for label in labels[1:])
-    assert logged and "2 recipes beside their anchor" in logged[0]
