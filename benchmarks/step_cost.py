@@ -117,6 +117,7 @@ from benchmarks._common import (
 from benchmarks.recipes import build_recipe, make_optimizer
 from mixprec import numerics
 from mixprec.optim import _fused_lean, _lean
+from mixprec.optim import _loss_scale_optimizer as _lso
 from mixprec.optim._flat_params import is_dense
 from mixprec.optim._lean import LeanUpdates
 from mixprec.optim._masters import MasterWeights
@@ -728,9 +729,10 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
     n_params = sum(p.numel() for p in prepared.model.parameters())
     counter = StepCounter(limits)
     # The finite check and rounding noise a GPU runs (numerics.CPU_NORM_PREFILTER,
-    # _lean.CPU_MASKED_NOISE), not the CPU's own.
+    # _lean.CPU_MASKED_NOISE, the fused steps' CPU_CHECK_IN_STEP), not the CPU's own.
     prefilter, numerics.CPU_NORM_PREFILTER = numerics.CPU_NORM_PREFILTER, False
     masked_noise, _lean.CPU_MASKED_NOISE = _lean.CPU_MASKED_NOISE, False
+    in_step, _lso.CPU_CHECK_IN_STEP = _lso.CPU_CHECK_IN_STEP, False
     try:
         with counter:
             counter.phase = "forward"
@@ -754,6 +756,7 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
     finally:
         numerics.CPU_NORM_PREFILTER = prefilter
         _lean.CPU_MASKED_NOISE = masked_noise
+        _lso.CPU_CHECK_IN_STEP = in_step
     del loss
     at_rest = live_tensor_bytes() - baseline
     phases = {}
