@@ -126,14 +126,20 @@ def _scatter(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
 
 def kept_fractions(
     optimizer: torch.optim.Optimizer,
-    found_inf: torch.Tensor,
+    found_inf: torch.Tensor | None,
     skip: bool,
     weight_decay: float | None,
+    device: torch.device | None = None,
 ) -> dict[int, torch.Tensor]:
     """What decoupled decay keeps of each weight, ``1 - lr * decay`` (1 on a skipped
     step), by ``id`` of each decayed group and of each of its parameters: a 1-element
     float32 tensor on ``found_inf``'s device, which, being 1-D, makes a low-precision
-    weight times it float32 in one kernel. Two scalar kernels a group, one unskipped."""
+    weight times it float32 in one kernel. Two scalar kernels a group, one unskipped.
+    ``found_inf`` ``None`` (a fused step that checks the gradients itself): an applied
+    step's fractions on ``device``, as a skipped fused step keeps every weight whatever
+    decay would keep."""
+    if found_inf is None:
+        found_inf, skip = torch.zeros((), device=device), False
     kept = {}
     for group in optimizer.param_groups:
         decay = (weight_decay or 0.0) + (group.get("weight_decay") or 0.0)
@@ -435,14 +441,8 @@ class LeanUpdates:
         rounding draws one seed a step per device from its generator and hashes it into
         each element's noise (:func:`~mixprec.optim._fused_lean.hashed_bits`)."""
         self._follow()
-        if found_inf is None:
-            # A skipped step keeps every weight whatever decay would keep, so the
-            # fractions are those of an applied step.
-            device = self._low[0].device if self._low else torch.device("cpu")
-            kept = kept_fractions(self.optimizer, torch.zeros((), device=device), False,
-                                  weight_decay)  # fmt: skip
-        else:
-            kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
+        device = self._low[0].device if self._low else None
+        kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay, device)
         if self.mode == "kahan":
             extras: dict[int, Any] = dict(zip(map(id, self._low), self.compensation))
         else:

@@ -367,14 +367,8 @@ class MasterWeights:
 
         if self._hypers is None:
             self._hypers = _fused_lean.HyperVectors()
-        if found_inf is None:
-            # A skipped step keeps every weight whatever decay would keep, so the
-            # fractions are those of an applied step.
-            device = self.model_params[0].device if self.model_params else torch.device("cpu")
-            kept = kept_fractions(self.optimizer, torch.zeros((), device=device), False,
-                                  weight_decay)  # fmt: skip
-        else:
-            kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay)
+        device = self.model_params[0].device if self.model_params else None
+        kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay, device)
         with torch.no_grad():
             skipped, verdict = _fused_lean.fused_adamw_step(
                 self._fused_mode or "", self.optimizer, self._fused_entries(kept), found_inf,
