@@ -111,22 +111,23 @@ def test_eager_reference_keeps_updates_that_bfloat16_rounds_away():
     assert kahan_error < plain_error / 10
 
 
-def test_an_input_with_other_strides_compiles_again_and_steps_right():
+def test_an_input_with_other_strides_compiles_again_and_steps_right(trained):
     # The generated code checks no sizes or strides (dynamo's guards did): a gradient
-    # laid out otherwise (same shape, transposed strides) must get a graph of its own.
-    compiled = _fused_lean.compile_math("kahan")
-    for grad_layout in (lambda g: g, lambda g: g.t().contiguous().t()):
-        args = list(step_arguments("kahan", ((4, 3),)))  # the last one: found_inf
-        args[2] = [grad_layout(args[2][0])]
-        eager = copy.deepcopy(args)
-        kahan_adamw_(*eager)
-        compiled("kahan", *args)
-        torch._foreach_add_(args[5], 1.0)
-        for got, want in zip(args[:8], eager[:8]):
-            for a, b in zip(got, want):
-                if a is not None:
-                    assert torch.allclose(a.float(), b.float(), rtol=0, atol=float(
-                        torch.finfo(b.dtype).eps * b.float().abs().max().clamp(min=1)))  # fmt: skip
+    # laid out otherwise (same shape, transposed strides) must get a graph of its own,
+    # not the one the fixture's steps compiled for contiguous gradients.
+    model, opt, _ = trained["fused"]
+    lists = _step_lists(model, opt)
+    lists[2][0] = lists[2][0].t().contiguous().t()
+    assert not lists[2][0].is_contiguous()
+    eager = copy.deepcopy(lists)
+    found = torch.zeros(())
+    kahan_adamw_(*eager, found)
+    lean_adamw_fused_("kahan", *lists, found)
+    for got, want in zip(lists, eager):
+        for a, b in zip(got, want):
+            if a is not None:
+                assert torch.allclose(a.float(), b.float(), rtol=0, atol=float(
+                    torch.finfo(b.dtype).eps * b.float().abs().max().clamp(min=1)))  # fmt: skip
 
 
 def test_compiled_step_matches_its_eager_reference(trained):
