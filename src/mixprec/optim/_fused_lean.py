@@ -42,6 +42,7 @@ import torch
 from torch.optim import optimizer as optimizer_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from mixprec.numerics import any_nonfinite
 from mixprec.optim import _compressed_adamw as q8
 from mixprec.optim._split8 import _split8_codes, join8_bits
 
@@ -537,8 +538,6 @@ def fused_adamw_step(
     fresh = [e for e in entries if not optimizer.state.get(e[1])]  # get: adds no entry
     in_call = found_inf is None and len(calls) == 1
     if found_inf is None and entries and (fresh or not in_call):
-        from mixprec.numerics import any_nonfinite
-
         found_inf = any_nonfinite([e[4] for e in entries], entries[0][2].device)
     if fresh:
         if skip and found_inf is not None and found_inf.item():
