@@ -729,10 +729,12 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
     n_params = sum(p.numel() for p in prepared.model.parameters())
     counter = StepCounter(limits)
     # The finite check and rounding noise a GPU runs (numerics.CPU_NORM_PREFILTER,
-    # _lean.CPU_MASKED_NOISE, the fused steps' CPU_CHECK_IN_STEP), not the CPU's own.
+    # _lean.CPU_MASKED_NOISE, the fused steps' CPU_CHECK_IN_STEP and CPU_STEPS_IN_LOOP),
+    # not the CPU's own.
     prefilter, numerics.CPU_NORM_PREFILTER = numerics.CPU_NORM_PREFILTER, False
     masked_noise, _lean.CPU_MASKED_NOISE = _lean.CPU_MASKED_NOISE, False
     in_step, _lso.CPU_CHECK_IN_STEP = _lso.CPU_CHECK_IN_STEP, False
+    steps_in_loop, _fused_lean.CPU_STEPS_IN_LOOP = _fused_lean.CPU_STEPS_IN_LOOP, False
     try:
         with counter:
             counter.phase = "forward"
@@ -757,6 +759,7 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
         numerics.CPU_NORM_PREFILTER = prefilter
         _lean.CPU_MASKED_NOISE = masked_noise
         _lso.CPU_CHECK_IN_STEP = in_step
+        _fused_lean.CPU_STEPS_IN_LOOP = steps_in_loop
     del loss
     at_rest = live_tensor_bytes() - baseline
     phases = {}

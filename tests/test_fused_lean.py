@@ -246,9 +246,13 @@ def test_under_a_dispatch_mode_the_eager_math_runs_and_the_mode_sees_it(trained)
             self.seen.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
 
+    before = [float(state["step"]) for state in opt.state.values()]
     with Ops() as mode:
         _train(model, lean, opt, trained["data"][:1])
-    assert "sqrt" in mode.seen and "_foreach_add_" in mode.seen
+    assert "sqrt" in mode.seen
+    # On a CPU the math advances the step counts itself (CPU_STEPS_IN_LOOP): no foreach op.
+    assert [float(state["step"]) for state in opt.state.values()] == [b + 1 for b in before]
+    assert "_foreach_add_" not in mode.seen
 
 
 def test_a_profiler_sees_the_step_as_one_named_range():
@@ -718,18 +722,42 @@ def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loo
     """Each tensor is read and written in registers: the compiled step allocates nothing
     of a parameter's size (the 8-bit step's block scales and each parameter's bias
     corrections only), and the bias corrections' float64 powers are computed once per
-    parameter, not in every vector of a loop."""
+    parameter, not in every vector of a loop. A loop runs on two threads only where
+    each gets CPU_MIN_CHUNK elements (kahan: a 4096-element loop on one, where inductor's
+    own threshold would wake the other thread for it)."""
     from torch._inductor.utils import run_and_get_code
 
-    with torch._inductor.config.patch(fx_graph_cache=False):  # (40, 25): a partial 8-bit block
+    # (40, 25): a partial 8-bit block. Two threads, whatever this machine has.
+    shapes = ((40, 25), (64, 64), (2, 16384)) if mode == "kahan" else ((40, 25),)
+    with torch._inductor.config.patch({"fx_graph_cache": False, "cpp.threads": 2}):
         _, (code, *_) = run_and_get_code(
-            _fused_lean.compile_math(mode), mode, *step_arguments(mode, ((40, 25),)))
-    shapes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
-    allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in shapes]
-    assert all(numel <= 1000 // 256 + 1 for numel in allocated), shapes
+            _fused_lean.compile_math(mode), mode, *step_arguments(mode, shapes))
+    allocations = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
+    allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in allocations]
+    assert all(numel <= 1000 // 256 + 1 for numel in allocated), allocations
     loops = _loop_bodies(code)
     assert loops and not any("std::pow" in loop for loop in loops)
     assert "assert_size_stride(" not in code  # dynamo's guards check the inputs' layout
+    parallel, serial = _loop_bounds(code)
+    assert all(n // 2 >= _fused_lean.CPU_MIN_CHUNK for n in parallel), parallel
+    if mode == "kahan":
+        assert parallel == [32768] and {1000, 4096} <= set(serial), (parallel, serial)
+
+
+def _loop_bounds(code: str) -> tuple[list[int], list[int]]:
+    """The constant bounds of the generated C++ loops, (those an OpenMP ``for`` splits
+    between threads, the others)."""
+    parallel: list[int] = []
+    serial: list[int] = []
+    found = re.finditer(r"(#pragma omp for)|for\(int64_t (\w+)=[^;]*; \2<static_cast<int64_t>\((\d+)L\)", code)
+    split = False
+    for match in found:
+        if match.group(1):
+            split = True
+            continue
+        (parallel if split else serial).append(int(match.group(3)))
+        split = False
+    return parallel, serial
 
 
 def _loop_bodies(code: str) -> list[str]:

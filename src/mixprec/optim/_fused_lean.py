@@ -94,11 +94,12 @@ def kahan_adamw_(
     (1.0, 0.0009765625, 1.0)
 
     The step counts advance in one foreach op after the elementwise math (a count is
-    one number: a loop of its own would be one more launch per parameter).
+    one number: a loop of its own would be one more launch per parameter), or on a CPU
+    in it (:data:`CPU_STEPS_IN_LOOP`).
     """
     _lean_adamw_math_("kahan", weights, compensations, grads, exp_avgs, exp_avg_sqs, steps,
                       kept, hypers, found_inf, maximize)  # fmt: skip
-    torch._foreach_add_(steps, 1.0 - found_inf)
+    _advance_apart(weights, steps, found_inf)
 
 
 def split8_adamw_(
@@ -132,7 +133,7 @@ def split8_adamw_(
     """
     _lean_adamw_math_("split8", weights, corrections, grads, exp_avgs, exp_avg_sqs, steps,
                       kept, hypers, found_inf, maximize)  # fmt: skip
-    torch._foreach_add_(steps, 1.0 - found_inf)
+    _advance_apart(weights, steps, found_inf)
 
 
 def _lean_adamw_math_(
@@ -149,8 +150,9 @@ def _lean_adamw_math_(
     maximize: bool = False,
 ) -> list[torch.Tensor]:
     """:func:`kahan_adamw_` (``mode="kahan"``, ``extras`` the compensations) or
-    :func:`split8_adamw_` (``"split8"``, the corrections) without advancing ``steps``
-    (it reads them): the part that compiles into one loop per parameter.
+    :func:`split8_adamw_` (``"split8"``, the corrections), advancing ``steps`` only on
+    a CPU (:data:`CPU_STEPS_IN_LOOP`; elsewhere it reads them, and they advance apart):
+    the part that compiles into one loop per parameter.
 
     ``mode="stochastic"`` rounds ``w * kept - update`` stochastically into the bfloat16
     weight (as :func:`~mixprec.optim._lean.stochastic_round`, with the noise of
@@ -174,6 +176,7 @@ def _lean_adamw_math_(
         found_inf = _gradients_nonfinite(grads)
     applied = 1.0 - found_inf
     skip = found_inf != 0
+    in_loop = _steps_in_loop(weights)
     corrections: list[torch.Tensor] = []
     for i, (w, g, m, v, step) in enumerate(zip(weights, grads, exp_avgs, exp_avg_sqs, steps)):
         extra = extras[i]
@@ -181,7 +184,8 @@ def _lean_adamw_math_(
         g32 = -g.float() if maximize else g.float()
         m32 = m.float() * beta1 + g32 * (1 - beta1)
         v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
-        step_size, root2 = _bias_corrections(lr, beta1, beta2, step + applied, corrections)
+        step_size, root2 = _bias_corrections(lr, beta1, beta2, step, applied, corrections,
+                                             in_loop)  # fmt: skip
         update = m32 / (v32.sqrt() / root2 + eps) * step_size
         split8 = mode == "split8" and extra is not None
         start = join8_bits(w, extra) if split8 else w.float()
@@ -245,11 +249,12 @@ def _split8_adamw8bit_math_(
     the rest is its arithmetic (:func:`~mixprec.optim._compressed_adamw.update_chunk`).
     Codes are picked while still float32 on a skipped step (whole numbers, the same
     either way; a blend of int8 codes compiles to ten times the cost). ``found_inf``
-    ``None`` and the result as :func:`_lean_adamw_math_`'s."""
+    ``None``, the step counts and the result as :func:`_lean_adamw_math_`'s."""
     if found_inf is None:
         found_inf = _gradients_nonfinite(grads)
     applied = 1.0 - found_inf
     skip = found_inf != 0
+    in_loop = _steps_in_loop(weights)
     corrections: list[torch.Tensor] = []
     for i, (w, g, (mq, ms), (vq, vs), step) in enumerate(
         zip(weights, grads, exp_avgs, exp_avg_sqs, steps)
@@ -263,7 +268,8 @@ def _split8_adamw8bit_math_(
         m_codes, v_codes = mq.view(-1, block), vq.view(-1, block)
         m32 = q8.dequantize_first_moment(m_codes, ms) * beta1 + g32 * (1 - beta1)
         v32 = q8.dequantize_second_moment(v_codes, vs) * beta2 + g32 * g32 * (1 - beta2)
-        step_size, root2 = _bias_corrections(lr, beta1, beta2, step + applied, corrections)
+        step_size, root2 = _bias_corrections(lr, beta1, beta2, step, applied, corrections,
+                                             in_loop)  # fmt: skip
         update = m32 / (v32.sqrt() / root2 + eps) * step_size
         noise_m = noise_v = None
         if seed is not None:
@@ -293,14 +299,41 @@ def _split8_adamw8bit_math_(
 
 
 def _bias_corrections(
-    lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor, t: torch.Tensor,
-    corrections: list[torch.Tensor],
+    lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor, step: torch.Tensor,
+    applied: torch.Tensor, corrections: list[torch.Tensor], advance: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """AdamW's step size ``lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` (0-dim,
-    float64: torch's arithmetic), appended to ``corrections`` too (see :func:`_kept_on_cpu`)."""
+    float64: torch's arithmetic) at ``t = step + applied``, appended to ``corrections``
+    too (see :func:`_kept_on_cpu`); ``advance`` writes ``t`` into ``step`` (see
+    :data:`CPU_STEPS_IN_LOOP`)."""
+    t = step + applied
     step_size, root2 = lr / (1 - beta1**t), (1 - beta2**t).sqrt()
     corrections += [step_size, root2]
+    if advance:
+        step.copy_(t)
     return step_size, root2
+
+
+#: On a CPU the step functions advance each parameter's step count themselves, in the
+#: compiled loop (one number stored). Apart from it, ``torch._foreach_add_`` with a
+#: tensor operand takes its per-tensor path on a CPU, a cast and an add per count:
+#: about 60 us a step for a 31-tensor model, a twentieth of its compiled step. On a GPU
+#: a count advanced in the graph would be a kernel of its own (one number in a loop
+#: apart), so one foreach launch after the call advances them all. The step-cost
+#: benchmark, which prices a CPU run as a GPU one, turns this off while it counts.
+CPU_STEPS_IN_LOOP = True
+
+
+def _steps_in_loop(weights: list[torch.Tensor]) -> bool:
+    """Whether the step functions advance the step counts of ``weights`` (one device)."""
+    return CPU_STEPS_IN_LOOP and bool(weights) and weights[0].device.type == "cpu"
+
+
+def _advance_apart(weights: list[torch.Tensor], steps: list[torch.Tensor],
+                   found_inf: torch.Tensor) -> None:  # fmt: skip
+    """Advance ``steps`` by one unless ``found_inf``, where the step function did not."""
+    if not _steps_in_loop(weights):
+        torch._foreach_add_(steps, 1.0 - found_inf)
 
 
 def _gradients_nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -386,6 +419,16 @@ def _eager_math(mode: str) -> Any:
     return _split8_adamw8bit_math_ if mode == "split8-8bit" else _lean_adamw_math_
 
 
+#: On a CPU, a loop of the compiled step runs on several threads only where each thread
+#: gets at least this many elements (inductor's default: 512). A parallel region costs
+#: a wake-up of the other threads, which, when they sleep between regions (OpenMP's
+#: passive waiting, or cores shared with other jobs), is about 50-100 us: a step of 31
+#: small parameters, each loop its own region, took 3.5 ms that way instead of 1.4.
+#: ATen's own elementwise ops split only past 32,768 elements (its grain size), so two
+#: threads share a loop where they would share the eager ops. The cost is on idle,
+#: busy-waiting threads: there small loops on one thread took 1.17 against 1.10 ms.
+CPU_MIN_CHUNK = 16384
+
 #: Inductor's limits past which a value read by several loops is kept in a buffer.
 _REALIZE_THRESHOLDS = ("realize_reads_threshold", "realize_opcount_threshold",
                        "realize_acc_reads_threshold", "realize_cpu_opcount_threshold",
@@ -415,7 +458,8 @@ def compile_math(mode: str) -> Any:
     code = eager.__code__.replace(co_name=f"_lean_adamw_{mode.replace('-', '_')}")
     math = types.FunctionType(code, eager.__globals__, code.co_name, eager.__defaults__)
     options: dict[str, Any] = {"combo_kernels": True, "combo_kernel_max_num_nodes": COMBO_NODES,
-                               "emulate_precision_casts": True, "size_asserts": False}  # fmt: skip
+                               "emulate_precision_casts": True, "size_asserts": False,
+                               "cpp.min_chunk_size": CPU_MIN_CHUNK}  # fmt: skip
     if mode == "split8-8bit":
         # Recompute, never store: left to its thresholds, inductor keeps the decoded
         # moments, the update and the hash's index in parameter-sized buffers (they feed
@@ -465,7 +509,7 @@ def lean_adamw_fused_(mode: str, *args: Any) -> torch.Tensor:
             found_inf, *_ = _eager_math(mode)(mode, *args)
         else:
             found_inf, *_ = _run_compiled(mode, *args)
-        torch._foreach_add_(steps, 1.0 - found_inf)
+        _advance_apart(args[0], steps, found_inf)
     return found_inf
 
 
