@@ -722,9 +722,10 @@ def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loo
     """Each tensor is read and written in registers: the compiled step allocates nothing
     of a parameter's size (the 8-bit step's block scales and each parameter's bias
     corrections only), and the bias corrections' float64 powers are computed once per
-    parameter, not in every vector of a loop. A loop runs on two threads only where
-    each gets CPU_MIN_CHUNK elements (kahan: a 4096-element loop on one, where inductor's
-    own threshold would wake the other thread for it)."""
+    parameter, not in every vector of a loop; no loop copies a result out of a buffer
+    (the 8-bit step did, when its step counts were written in the graph). A loop runs
+    on two threads only where each gets CPU_MIN_CHUNK elements (kahan: a 4096-element
+    loop on one, where inductor's own threshold would wake the other thread for it)."""
     from torch._inductor.utils import run_and_get_code
 
     # (40, 25): a partial 8-bit block. Two threads, whatever this machine has.
@@ -738,10 +739,21 @@ def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loo
     loops = _loop_bodies(code)
     assert loops and not any("std::pow" in loop for loop in loops)
     assert "assert_size_stride(" not in code  # dynamo's guards check the inputs' layout
+    assert not _copy_loops(code)  # each output written in place, not copied out of a buffer
     parallel, serial = _loop_bounds(code)
     assert all(n // 2 >= _fused_lean.CPU_MIN_CHUNK for n in parallel), parallel
     if mode == "kahan":
         assert parallel == [32768] and {1000, 4096} <= set(serial), (parallel, serial)
+
+
+def _copy_loops(code: str) -> list[str]:
+    """The generated loops that only copy: one value loaded, stored elsewhere."""
+    copies = []
+    for body in _loop_bodies(code):
+        values = re.findall(r"auto (tmp\d+) =", body)
+        if len(values) == 1 and f"{values[0]}.store(" in body:
+            copies.append(body)
+    return copies
 
 
 def _loop_bounds(code: str) -> tuple[list[int], list[int]]:

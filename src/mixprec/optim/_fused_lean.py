@@ -184,8 +184,8 @@ def _lean_adamw_math_(
         g32 = -g.float() if maximize else g.float()
         m32 = m.float() * beta1 + g32 * (1 - beta1)
         v32 = v.float() * beta2 + g32 * g32 * (1 - beta2)
-        step_size, root2 = _bias_corrections(lr, beta1, beta2, step, applied, corrections,
-                                             in_loop)  # fmt: skip
+        t = step + applied
+        step_size, root2 = _bias_corrections(lr, beta1, beta2, t, corrections)
         update = m32 / (v32.sqrt() / root2 + eps) * step_size
         split8 = mode == "split8" and extra is not None
         start = join8_bits(w, extra) if split8 else w.float()
@@ -214,6 +214,8 @@ def _lean_adamw_math_(
             w.copy_(torch.where(skip, w, total.to(w.dtype)))
         m.copy_(torch.where(skip, m, m32.to(m.dtype)))
         v.copy_(torch.where(skip, v, v32.to(v.dtype)))
+        if in_loop:
+            step.copy_(t)
     return [found_inf, *_kept_on_cpu(weights, corrections)]
 
 
@@ -254,7 +256,6 @@ def _split8_adamw8bit_math_(
         found_inf = _gradients_nonfinite(grads)
     applied = 1.0 - found_inf
     skip = found_inf != 0
-    in_loop = _steps_in_loop(weights)
     corrections: list[torch.Tensor] = []
     for i, (w, g, (mq, ms), (vq, vs), step) in enumerate(
         zip(weights, grads, exp_avgs, exp_avg_sqs, steps)
@@ -268,8 +269,8 @@ def _split8_adamw8bit_math_(
         m_codes, v_codes = mq.view(-1, block), vq.view(-1, block)
         m32 = q8.dequantize_first_moment(m_codes, ms) * beta1 + g32 * (1 - beta1)
         v32 = q8.dequantize_second_moment(v_codes, vs) * beta2 + g32 * g32 * (1 - beta2)
-        step_size, root2 = _bias_corrections(lr, beta1, beta2, step, applied, corrections,
-                                             in_loop)  # fmt: skip
+        t = step + applied
+        step_size, root2 = _bias_corrections(lr, beta1, beta2, t, corrections)
         update = m32 / (v32.sqrt() / root2 + eps) * step_size
         noise_m = noise_v = None
         if seed is not None:
@@ -299,40 +300,40 @@ def _split8_adamw8bit_math_(
 
 
 def _bias_corrections(
-    lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor, step: torch.Tensor,
-    applied: torch.Tensor, corrections: list[torch.Tensor], advance: bool,
+    lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor, t: torch.Tensor,
+    corrections: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """AdamW's step size ``lr / (1 - beta1**t)`` and ``sqrt(1 - beta2**t)`` (0-dim,
-    float64: torch's arithmetic) at ``t = step + applied``, appended to ``corrections``
-    too (see :func:`_kept_on_cpu`); ``advance`` writes ``t`` into ``step`` (see
-    :data:`CPU_STEPS_IN_LOOP`)."""
-    t = step + applied
+    float64: torch's arithmetic), appended to ``corrections`` too (see :func:`_kept_on_cpu`)."""
     step_size, root2 = lr / (1 - beta1**t), (1 - beta2**t).sqrt()
     corrections += [step_size, root2]
-    if advance:
-        step.copy_(t)
     return step_size, root2
 
 
-#: On a CPU the step functions advance each parameter's step count themselves, in the
-#: compiled loop (one number stored). Apart from it, ``torch._foreach_add_`` with a
-#: tensor operand takes its per-tensor path on a CPU, a cast and an add per count:
-#: about 60 us a step for a 31-tensor model, a twentieth of its compiled step. On a GPU
-#: a count advanced in the graph would be a kernel of its own (one number in a loop
-#: apart), so one foreach launch after the call advances them all. The step-cost
-#: benchmark, which prices a CPU run as a GPU one, turns this off while it counts.
+#: On a CPU the kahan, stochastic, split8 and float32-master step functions advance
+#: each parameter's step count themselves, in the compiled loop (one number stored).
+#: Apart from it, ``torch._foreach_add_`` with a tensor operand takes its per-tensor
+#: path on a CPU, a cast and an add per count: about 60 us a step for a 31-tensor model,
+#: a twentieth of its compiled step. Not the split8 + ``AdamW8bit`` step: there one more
+#: written input made inductor write the codes and corrections into buffers and copy
+#: them out (12 loops for two parameters instead of 7). On a GPU a count advanced in
+#: the graph would be a kernel of its own, so one foreach launch after the call advances
+#: them all. The step-cost benchmark, which prices a CPU run as a GPU one, turns this
+#: off while it counts.
 CPU_STEPS_IN_LOOP = True
 
 
-def _steps_in_loop(weights: list[torch.Tensor]) -> bool:
-    """Whether the step functions advance the step counts of ``weights`` (one device)."""
-    return CPU_STEPS_IN_LOOP and bool(weights) and weights[0].device.type == "cpu"
+def _steps_in_loop(weights: list[torch.Tensor], mode: str = "") -> bool:
+    """Whether ``mode``'s step function advances the step counts of ``weights`` (one
+    device); :func:`_lean_adamw_math_`'s modes when ``mode`` is not given."""
+    return (CPU_STEPS_IN_LOOP and mode != "split8-8bit" and bool(weights)
+            and weights[0].device.type == "cpu")  # fmt: skip
 
 
 def _advance_apart(weights: list[torch.Tensor], steps: list[torch.Tensor],
-                   found_inf: torch.Tensor) -> None:  # fmt: skip
-    """Advance ``steps`` by one unless ``found_inf``, where the step function did not."""
-    if not _steps_in_loop(weights):
+                   found_inf: torch.Tensor, mode: str = "") -> None:  # fmt: skip
+    """Advance ``steps`` by one unless ``found_inf``, where ``mode``'s step function did not."""
+    if not _steps_in_loop(weights, mode):
         torch._foreach_add_(steps, 1.0 - found_inf)
 
 
@@ -509,7 +510,7 @@ def lean_adamw_fused_(mode: str, *args: Any) -> torch.Tensor:
             found_inf, *_ = _eager_math(mode)(mode, *args)
         else:
             found_inf, *_ = _run_compiled(mode, *args)
-        _advance_apart(args[0], steps, found_inf)
+        _advance_apart(args[0], steps, found_inf, mode)
     return found_inf
 
 
