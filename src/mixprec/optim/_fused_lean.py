@@ -99,7 +99,7 @@ def kahan_adamw_(
     """
     _lean_adamw_math_("kahan", weights, compensations, grads, exp_avgs, exp_avg_sqs, steps,
                       kept, hypers, found_inf, maximize)  # fmt: skip
-    _advance_apart(weights, steps, found_inf)
+    _advance_apart(weights, steps, found_inf, "kahan")
 
 
 def split8_adamw_(
@@ -133,7 +133,7 @@ def split8_adamw_(
     """
     _lean_adamw_math_("split8", weights, corrections, grads, exp_avgs, exp_avg_sqs, steps,
                       kept, hypers, found_inf, maximize)  # fmt: skip
-    _advance_apart(weights, steps, found_inf)
+    _advance_apart(weights, steps, found_inf, "split8")
 
 
 def _lean_adamw_math_(
@@ -176,7 +176,7 @@ def _lean_adamw_math_(
         found_inf = _gradients_nonfinite(grads)
     applied = 1.0 - found_inf
     skip = found_inf != 0
-    in_loop = _steps_in_loop(weights)
+    in_loop = _steps_in_loop(weights, mode)
     corrections: list[torch.Tensor] = []
     for i, (w, g, m, v, step) in enumerate(zip(weights, grads, exp_avgs, exp_avg_sqs, steps)):
         extra = extras[i]
@@ -323,15 +323,15 @@ def _bias_corrections(
 CPU_STEPS_IN_LOOP = True
 
 
-def _steps_in_loop(weights: list[torch.Tensor], mode: str = "") -> bool:
+def _steps_in_loop(weights: list[torch.Tensor], mode: str) -> bool:
     """Whether ``mode``'s step function advances the step counts of ``weights`` (one
-    device); :func:`_lean_adamw_math_`'s modes when ``mode`` is not given."""
+    device)."""
     return (CPU_STEPS_IN_LOOP and mode != "split8-8bit" and bool(weights)
             and weights[0].device.type == "cpu")  # fmt: skip
 
 
 def _advance_apart(weights: list[torch.Tensor], steps: list[torch.Tensor],
-                   found_inf: torch.Tensor, mode: str = "") -> None:  # fmt: skip
+                   found_inf: torch.Tensor, mode: str) -> None:  # fmt: skip
     """Advance ``steps`` by one unless ``found_inf``, where ``mode``'s step function did not."""
     if not _steps_in_loop(weights, mode):
         torch._foreach_add_(steps, 1.0 - found_inf)
