@@ -345,3 +345,53 @@ def test_minimize_casts_never_touches_allow_or_between_allow_ops(keep):
     plan, saved = minimize_casts(painting, keep_output_dtype=keep)
     assert plan.low == painting.low == {b.nodes[n] for n in ("mm1", "add", "mm2")}
     assert saved == {}
+
+
+def test_bias_stays_inside_when_every_float32_consumer_promotes():
+    # A residual add whose other operand is float32 reads the low-precision output as
+    # it is: splitting the bias off would write and read that output in float32.
+    b = (
+        Builder()
+        .input("x", shape=(3, 4))
+        .input("w", shape=(5, 4))
+        .input("b", shape=(5,))
+        .input("r", shape=(3, 5))
+        .op("linear", A.linear.default, "x", "w", "b", shape=(3, 5))
+        .op("e", A.exp.default, "r", shape=(3, 5))  # deny: the residual stays float32
+        .op("add", A.add.Tensor, "linear", "e", shape=(3, 5))
+        .output("add")
+    )
+    gm, _, plan = b.rewrite()
+    assert plan.bias_splits == set() and plan.cost == 3
+    assert cast_sources(gm) == [("b", "float16"), ("w", "float16"), ("x", "float16")]
+    x, w, bias, r = torch.randn(3, 4), torch.randn(5, 4), torch.randn(5), torch.randn(3, 5)
+    recorder = DtypeRecorder(gm)
+    recorder.run(x, w, bias, r)
+    assert (recorder.dtypes["linear"], recorder.dtypes["add"]) == (LOW, torch.float32)
+    want = torch.nn.functional.linear(x, w, bias) + r.exp()
+    torch.testing.assert_close(gm(x, w, bias, r), want, atol=0.02, rtol=0.01)
+
+
+def test_a_residual_stream_turns_float32_op_by_op_and_its_branches_stay_low():
+    # Two blocks: norm (exp, deny) -> linear -> relu -> residual add. Each add follows a
+    # painted op; returned to float32 one at a time, each promotes its branch's
+    # low-precision output (autocast's pattern). Returning the branch with it would
+    # save as many kernels (a float32 bias add for a bias cast) and run it in float32.
+    b = Builder().input("x").input("w").input("b", shape=(4,))
+    b.op("h", A.mm.default, "x", "w").op("stream0", A.add.Tensor, "h", "x")
+    for i in range(2):
+        b.op(f"norm{i}", A.exp.default, f"stream{i}")
+        b.op(f"linear{i}", A.linear.default, f"norm{i}", "w", "b")
+        b.op(f"relu{i}", A.relu.default, f"linear{i}")
+        b.op(f"stream{i + 1}", A.add.Tensor, f"stream{i}", f"relu{i}")
+    gm, painting, plan = b.output("stream2").rewrite()
+    low = {n.name for n in plan.low}
+    assert {"relu0", "relu1"} <= low and not low & {"stream0", "stream1", "stream2"}
+    # x, w, b and each norm's output to low precision; nothing back to float32
+    assert plan.bias_splits == set() and plan.cost == 5
+    assert all(str(d) == "torch.float16" for _, d in plan.casts)
+    x, w, bias = torch.randn(4, 4) / 4, torch.randn(4, 4) / 4, torch.randn(4) / 4
+    stream = x @ w + x
+    for _ in range(2):
+        stream = stream + torch.nn.functional.linear(stream.exp(), w, bias).relu()
+    torch.testing.assert_close(gm(x, w, bias), stream, atol=0.05, rtol=0.02)

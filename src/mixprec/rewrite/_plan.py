@@ -13,16 +13,19 @@ Planning, for a set of painted ops::
         an existing user cast of a to `wanted` -> reuse it
         otherwise -> one cast (a, wanted), shared by every use that wants it
     user casts whose input already has their dtype are redundant and dropped
-    a painted linear/conv whose every consumer wants float32 drops its bias and
-        adds it in float32 afterwards (type promotion gives the float32 result):
-        no cast of the bias, no cast of the output
+    a painted linear/conv whose every consumer wants float32, one of them by a cast,
+        drops its bias and adds it in float32 afterwards (type promotion gives the
+        float32 result): no cast of the bias, no cast of the output. Where every such
+        consumer promotes (a residual add), the bias stays in the op, cast as
+        autocast casts it: the output is written and read in low precision, not float32
 
 Refinement (``minimize_casts``)::
 
-    for each op painted only by the clear-region / follows-allow rules, last first:
-        if it reads or feeds a float32 value: try it alone, then together with
-        the flexible ops it feeds, back in float32
-        keep the change when the plan needs fewer casts
+    repeat until nothing changes, over the ops painted only by the clear-region /
+    follows-allow rules, in graph order:
+        each that reads or feeds a float32 value, alone, back in float32
+        only when none of those saves a kernel: each with the flexible ops it feeds
+        keep a change when the plan needs fewer kernels (casts and bias adds)
 
 >>> import torch
 >>> from mixprec.rewrite._lists import AmpLists
@@ -78,8 +81,10 @@ class CastPlan:
 
     @property
     def cost(self) -> int:
-        """Cast kernels one forward pass runs: new casts plus user casts that now convert."""
-        return len(self.casts) + len(self.active_user_casts)
+        """Kernels the plan adds to one forward pass: new casts, user casts that now
+        convert, and each split bias's float32 add (the op no longer adds it: a kernel
+        as much as the bias cast it saves)."""
+        return len(self.casts) + len(self.active_user_casts) + len(self.bias_splits)
 
 
 def _node_args(value: object) -> list[fx.Node]:
@@ -142,7 +147,27 @@ def plan_casts(
         # Non-float results: clear ops (comparisons, argmax) read any dtype.
         return None if name and painting.lists.list_of(name) == "clear" else _F32
 
-    # A painted linear/conv whose consumers all want float32 adds its bias after.
+    def uses_of(consumer: fx.Node) -> list[fx.Node]:
+        return [a for k, v in arg_items(consumer) if k not in exempt.get(consumer, ())
+                for a in _node_args(v)]  # fmt: skip
+
+    def promotes(consumer: fx.Node, besides: fx.Node | None = None) -> bool:
+        """Whether float32 ``consumer``'s kernel promotes a low-precision operand
+        itself: a float32 add/sub/mul/... with a float32 operand with dimensions (other
+        than ``besides``), so no cast kernel runs for it."""
+        return (
+            consumer not in low
+            and names.get(consumer) in PROMOTING
+            and any(
+                a is not besides and a not in redundant and delivered.get(a) == _F32
+                and tensor_dtype(a) == _F32 and (tensor_ndim(a) or 0) >= 1
+                for a in uses_of(consumer)
+            )
+        )  # fmt: skip
+
+    # A painted linear/conv whose consumers all want float32, one by a cast, adds its
+    # bias after. Where they all promote, the float32 bias add would write and read the
+    # output in float32 to save one cast of a bias: more bytes, as many kernels.
     bias_splits: set[fx.Node] = set()
     for v in low:
         if names.get(v) not in _BIAS_OPS or v.op != "call_function":
@@ -155,6 +180,7 @@ def plan_casts(
             and tensor_ndim(bias) == 1
             and _F32 in wants
             and dtype not in wants
+            and not all(promotes(u, besides=v) for u in v.users if wanted(u, v) == _F32)
         ):
             bias_splits.add(v)
             exempt[v] = exempt[v] | {"bias"}
@@ -167,21 +193,8 @@ def plan_casts(
     for consumer in graph_nodes:
         if consumer in redundant:
             continue
-        uses = [
-            a
-            for k, v in arg_items(consumer)
-            if k not in exempt.get(consumer, ())
-            for a in _node_args(v)
-        ]
-        promotes = (
-            consumer not in low
-            and names.get(consumer) in PROMOTING
-            and any(
-                delivered.get(a) == _F32 and tensor_dtype(a) == _F32 and (tensor_ndim(a) or 0) >= 1
-                for a in uses
-                if a not in redundant
-            )
-        )
+        uses = uses_of(consumer)
+        promoted = promotes(consumer)
         for value in dict.fromkeys(uses):
             source = value
             while source in redundant:
@@ -194,7 +207,7 @@ def plan_casts(
                 if source is value and cast_target(value) is not None:
                     used_user_casts.add(value)
                 continue
-            if promotes and want == _F32 and have != _F32:
+            if promoted and want == _F32 and have != _F32:
                 continue
             origin = source.args[0] if cast_target(source) is not None else None
             if isinstance(origin, fx.Node) and delivered.get(origin) == want and have == _F32:
@@ -263,14 +276,22 @@ def minimize_casts(
     while improved:
         improved = False
         flexible = painting.flexible() & low
-        for v in sorted(flexible, key=order.__getitem__, reverse=True):
-            if v not in low:
-                continue
-            region = _downstream_flexible(v, flexible & low, painting)
-            groups = [{v}] if _meets_float32(v, low) else []
-            if len(region) > 1 and any(_meets_float32(u, low) for u in region):
-                groups.append(region)
-            for group in groups:
+        # Single ops first, in graph order; a region only when no single op saves a
+        # kernel: it returns every op it holds to float32, and a float32 op moves twice
+        # the bytes (a residual stream turned float32 op by op keeps the branches that
+        # feed it in low precision, as autocast does).
+        for regions in (False, True):
+            for v in sorted(flexible, key=order.__getitem__):
+                if v not in low:
+                    continue
+                if not regions:
+                    group = {v}
+                    if not _meets_float32(v, low):
+                        continue
+                else:
+                    group = _downstream_flexible(v, flexible & low, painting)
+                    if len(group) == 1 or not any(_meets_float32(u, low) for u in group):
+                        continue
                 trial = plan_casts(painting, keep_output_dtype, low - group)
                 if trial.cost < plan.cost:
                     for member in group:
@@ -278,5 +299,6 @@ def minimize_casts(
                     low -= group
                     plan = trial
                     improved = True
-                    break
+            if improved:
+                break
     return plan, saved
