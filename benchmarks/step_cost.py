@@ -48,7 +48,9 @@ or not) and optimizer (``step()``, the scaler's ``update()``, ``zero_grad()``).
 outputs (written; an in-place op's ``self`` counts both ways, foreach and fused
 optimizers' lists included, as the op's schema marks them written, except for ops that
 only write it: ``copy_``, ``fill_``, ``zero_``, random fills, ``_foreach_copy_``; a
-fused optimizer writes its gradients back only when it unscales them). Matrix products and
+fused optimizer writes its gradients back only when it unscales them). A view whose
+densest dimension steps over elements (the high int16 halves of float32 values) is
+priced at the span it covers, up to a 32-byte sector per element. Matrix products and
 convolutions (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``convolution*``, attention
 kernels) are listed separately: their launches are in the launch count, their bytes
 are not in "bytes moved".
@@ -222,7 +224,15 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """Bytes a kernel moves for ``t``: its elements' bytes, or, where even its densest
+    dimension steps over elements (every other int16 of a tensor), the span it covers,
+    up to a 32-byte memory sector per element: a GPU reads and writes whole sectors.
+
+    >>> _nbytes(torch.ones(8, dtype=torch.int16)), _nbytes(torch.ones(8, dtype=torch.int16)[::2])
+    (16, 16)
+    """
+    step = min((abs(s) for s, n in zip(t.stride(), t.shape) if n > 1), default=1)
+    return t.numel() * t.element_size() * max(1, min(step, 32 // t.element_size()))
 
 
 def _tensor_lists(args: Sequence[Any], kwargs: dict[str, Any]) -> list[list[torch.Tensor]]:

@@ -89,6 +89,23 @@ def test_stochastic_round_is_unbiased_and_seeded():
     assert torch.equal(stochastic_round(exact), exact.bfloat16())
 
 
+def test_stochastic_round_truncates_the_noisy_values_as_masking_and_converting_does():
+    """The weights are the noisy float32 values' high halves, copied: bit for bit what
+    masking the low 16 bits and converting gives (NaN payloads aside), for every layout."""
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-45, 38, (1000,), generator=g).float()
+    x = torch.cat([torch.randn(1000, generator=g) * 10.0**exponents,
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.3895e38, -1e-45])])  # fmt: skip
+    for value in (x, x[::3], x[:8].view(2, 2, 2).permute(2, 0, 1), x[5], x.bfloat16()):
+        got = stochastic_round(value, torch.Generator().manual_seed(7))
+        noise = torch.randint(0, 2**16, value.shape, dtype=torch.int32,
+                              generator=torch.Generator().manual_seed(7))  # fmt: skip
+        bits = value.float().view(torch.int32) + noise
+        want = (bits & -65536).view(torch.float32).to(torch.bfloat16)
+        assert got.shape == value.shape and got.stride() == value.bfloat16().stride()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("masked", [True, False])
 def test_the_rounding_noise_is_randints_on_either_path(masked, monkeypatch):
     """The CPU's masked draw (``CPU_MASKED_NOISE``) and the one-kernel ``randint`` draw
