@@ -118,7 +118,7 @@ from benchmarks._common import (
 )
 from benchmarks.recipes import build_recipe, make_optimizer
 from mixprec import numerics
-from mixprec.optim import _fused_lean, _lean
+from mixprec.optim import _fused_lean, _lean, _masters
 from mixprec.optim import _loss_scale_optimizer as _lso
 from mixprec.optim._flat_params import is_dense
 from mixprec.optim._lean import LeanUpdates
@@ -739,10 +739,11 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
     n_params = sum(p.numel() for p in prepared.model.parameters())
     counter = StepCounter(limits)
     # The finite check and rounding noise a GPU runs (numerics.CPU_NORM_PREFILTER,
-    # _lean.CPU_MASKED_NOISE, the fused steps' CPU_CHECK_IN_STEP and CPU_STEPS_IN_LOOP),
-    # not the CPU's own.
+    # _masters.CPU_FLAT_CHECK, _lean.CPU_MASKED_NOISE, the fused steps' CPU_CHECK_IN_STEP
+    # and CPU_STEPS_IN_LOOP), not the CPU's own.
     prefilter, numerics.CPU_NORM_PREFILTER = numerics.CPU_NORM_PREFILTER, False
     masked_noise, _lean.CPU_MASKED_NOISE = _lean.CPU_MASKED_NOISE, False
+    flat_check, _masters.CPU_FLAT_CHECK = _masters.CPU_FLAT_CHECK, False
     in_step, _lso.CPU_CHECK_IN_STEP = _lso.CPU_CHECK_IN_STEP, False
     steps_in_loop, _fused_lean.CPU_STEPS_IN_LOOP = _fused_lean.CPU_STEPS_IN_LOOP, False
     try:
@@ -768,6 +769,7 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
     finally:
         numerics.CPU_NORM_PREFILTER = prefilter
         _lean.CPU_MASKED_NOISE = masked_noise
+        _masters.CPU_FLAT_CHECK = flat_check
         _lso.CPU_CHECK_IN_STEP = in_step
         _fused_lean.CPU_STEPS_IN_LOOP = steps_in_loop
     del loss

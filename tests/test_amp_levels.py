@@ -18,7 +18,7 @@ from mixprec.amp import _levels as amp_levels
 from mixprec.amp._casting import claim_model
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.numerics import any_nonfinite
-from mixprec.optim import LossScaleOptimizer
+from mixprec.optim import LossScaleOptimizer, _masters
 
 F32 = torch.float32
 LOW = [torch.bfloat16, torch.float16]
@@ -281,9 +281,12 @@ def test_default_loss_scale_per_level(level, low, kind):
     assert opt.loss_scale.dtype == F32 and opt.loss_scale.dim() == 0
 
 
-def test_unscaled_bfloat16_o2_checks_the_model_gradients_and_skips_an_overflow():
+@pytest.mark.parametrize("flat", [False, True])
+def test_unscaled_bfloat16_o2_checks_the_model_gradients_and_skips_an_overflow(flat, monkeypatch):
     """Without a loss scale the step reads the bfloat16 gradients once (half the bytes of
-    their float32 copies) and rewrites nothing; an inf or NaN still skips the step."""
+    their float32 copies; on a CPU, ``CPU_FLAT_CHECK``, the masters' float32 buffer the
+    copy has just read) and rewrites nothing; an inf or NaN still skips the step."""
+    monkeypatch.setattr(_masters, "CPU_FLAT_CHECK", flat)
     model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
     model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1), "O2",
                                 torch.bfloat16)  # fmt: skip
@@ -303,7 +306,8 @@ def test_unscaled_bfloat16_o2_checks_the_model_gradients_and_skips_an_overflow()
         checked.clear()
         with mock.patch("mixprec.loss_scale.any_nonfinite", check):
             opt.step()
-        assert checked == [[torch.bfloat16, torch.bfloat16, torch.float32, torch.float32]]
+        low = [torch.float32] if flat else [torch.bfloat16, torch.bfloat16]  # (12 + 3 in one)
+        assert checked == [low + [torch.float32, torch.float32]]
         for p, g in zip(model.parameters(), grads, strict=True):  # nothing rewritten
             torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
         changed = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]

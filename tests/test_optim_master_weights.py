@@ -395,3 +395,47 @@ def test_master_gradient_views_kept_between_steps_change_nothing_and_hold_no_mem
     assert all(torch.equal(a, b) for a, b in zip(kept, fresh))
     assert none_kept == [[]] * 4
     assert freed and all(sizes and all(n == 0 for n in sizes) for sizes in freed)
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_an_unscaled_bfloat16_o2_step_skips_on_an_inf_in_any_gradient(flat, monkeypatch):
+    """Unscaled bfloat16 O2 checks, on a CPU, the masters' gradient buffer after the copy
+    (``CPU_FLAT_CHECK``), else the model's gradients: either way a step with an inf in
+    any gradient is skipped, and the steps around one where a parameter had no gradient
+    (a buffer made for the others, then the whole one again) are not."""
+    from mixprec import amp
+    from mixprec.optim import _masters
+
+    monkeypatch.setattr(_masters, "CPU_FLAT_CHECK", flat)
+    checked = []
+    original = _masters.MasterWeights.gradients_to_check
+
+    def spy(self):
+        tensors = original(self)
+        checked.append(sorted(t.numel() for t in tensors if t is not None))
+        return tensors
+
+    monkeypatch.setattr(_masters.MasterWeights, "gradients_to_check", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Tanh(),
+                                torch.nn.Linear(8, 3))  # fmt: skip
+    model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                level="O2", dtype=torch.bfloat16)  # fmt: skip
+    poison = {1: model[0].weight, 3: model[1].weight, 5: model[3].bias, 6: model[0].bias}
+    g = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        opt.scale_loss(torch.nn.functional.cross_entropy(model(x).float(), y)).backward()
+        if step == 4:
+            model[3].weight.grad = None
+        if step in poison:
+            poison[step].grad.view(-1)[0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        moved = any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+        assert bool(opt.last_step_skipped) == (step in poison) and moved == (step not in poison)
+    sizes = sorted(p.numel() for p in model.parameters())
+    assert checked[0] == (sorted([48 + 8 + 24 + 3] + [8, 8]) if flat else sizes)
+    no_head = [n for n in sizes if n != 24]  # step 4: the head's weight has no gradient
+    assert checked[4] == (sorted([48 + 8 + 3] + [8, 8]) if flat else no_head)

@@ -571,9 +571,9 @@ class LossScaleOptimizer(OptimizerWrapper):
             and self.loss_scaler.fixed_at_one
             and self._factor() == 1.0
         ):
-            # Check only: the masters' gradients are exact copies of the model's, which
-            # hold the same infs and NaNs in half the bytes (bfloat16 O2, unscaled).
-            grads = [p.grad for p in self._master.model_params]
+            # Check only: the masters' gradients are exact copies of the model's (bfloat16
+            # O2, unscaled), so either holds this step's infs and NaNs.
+            grads = self._master.gradients_to_check()
         return self.loss_scaler.unscale_(grads, self._factor(), scale=used)
 
     def _prepare(

@@ -64,6 +64,15 @@ def _written(params: list[torch.Tensor]) -> list[tuple[int, int]]:
     return [(p._version, 0 if isinstance(p, dtensor) else p.data_ptr()) for p in params]
 
 
+#: On a CPU, an unscaled step (bfloat16 O2) checks the masters' float32 gradient buffers
+#: after the copy instead of the model's bfloat16 gradients before it
+#: (:meth:`MasterWeights.gradients_to_check`): one norm per buffer over memory the copy
+#: has just read, where a norm per parameter was the first to touch each gradient after
+#: the backward. A GPU reads the bfloat16 gradients, half the bytes; the step-cost
+#: benchmark, which prices a CPU run as a GPU one, turns this off while it counts.
+CPU_FLAT_CHECK = True
+
+
 class MasterWeights:
     """Swap ``optimizer``'s low-precision parameters for float32 masters (in place).
 
@@ -314,6 +323,36 @@ class MasterWeights:
         if self.reuses_gradient_views:
             self._grad_views[index] = (key, flat, views)
         return views
+
+    def gradients_to_check(self) -> list[torch.Tensor | None]:
+        """After :meth:`grads_to_masters`, the tensors whose infs and NaNs are this step's:
+        the model's gradients, which the masters' copy exactly in half the bytes; on a
+        CPU (:data:`CPU_FLAT_CHECK`), the masters' gradient buffers where every view of
+        one is a master's gradient now (one norm over a buffer the copy left in cache,
+        not a norm per parameter, first to touch the gradients after the backward), the
+        other masters' gradients, and the float32 parameters' own.
+
+        >>> w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        >>> masters = MasterWeights(torch.optim.SGD([w], lr=0.1))
+        >>> w.grad = torch.tensor([1.0, float("inf"), 2.0], dtype=torch.bfloat16)
+        >>> masters.grads_to_masters()
+        >>> [t.shape for t in masters.gradients_to_check()]  # one buffer, not per parameter
+        [torch.Size([3])]
+        """
+        low = {id(p) for p, _ in self._low}
+        if not (CPU_FLAT_CHECK and all(p.device.type == "cpu" for p in self.model_params)):
+            return [p.grad for p in self.model_params]
+        current = {id(m.grad) for _, m in self._low if m.grad is not None}
+        tensors: list[torch.Tensor | None] = []
+        covered: set[int] = set()
+        for _, flat, views in self._grad_views.values():
+            if flat.untyped_storage().nbytes() and all(id(v) in current for v in views):
+                tensors.append(flat)
+                covered.update(map(id, views))
+        if not covered:  # (split modes make their buffers anew each step)
+            return [p.grad for p in self.model_params]
+        tensors += [m.grad for _, m in self._low if id(m.grad) not in covered]
+        return tensors + [p.grad for p in self.model_params if id(p) not in low]
 
     #: Whether master gradients keep their views between steps (see ``_grad_views``).
     reuses_gradient_views = True
