@@ -339,7 +339,6 @@ class MasterWeights:
         >>> [t.shape for t in masters.gradients_to_check()]  # one buffer, not per parameter
         [torch.Size([3])]
         """
-        low = {id(p) for p, _ in self._low}
         if not (CPU_FLAT_CHECK and all(p.device.type == "cpu" for p in self.model_params)):
             return [p.grad for p in self.model_params]
         current = {id(m.grad) for _, m in self._low if m.grad is not None}
@@ -352,6 +351,7 @@ class MasterWeights:
         if not covered:  # (split modes make their buffers anew each step)
             return [p.grad for p in self.model_params]
         tensors += [m.grad for _, m in self._low if id(m.grad) not in covered]
+        low = {id(p) for p, _ in self._low}
         return tensors + [p.grad for p in self.model_params if id(p) not in low]
 
     #: Whether master gradients keep their views between steps (see ``_grad_views``).

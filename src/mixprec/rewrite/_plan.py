@@ -151,17 +151,17 @@ def plan_casts(
         return [a for k, v in arg_items(consumer) if k not in exempt.get(consumer, ())
                 for a in _node_args(v)]  # fmt: skip
 
-    def promotes(consumer: fx.Node, besides: fx.Node | None = None) -> bool:
+    def promotes(consumer: fx.Node, uses: list[fx.Node], besides: fx.Node | None = None) -> bool:
         """Whether float32 ``consumer``'s kernel promotes a low-precision operand
-        itself: a float32 add/sub/mul/... with a float32 operand with dimensions (other
-        than ``besides``), so no cast kernel runs for it."""
+        itself: a float32 add/sub/mul/... with a float32 operand with dimensions among
+        ``uses`` (other than ``besides``), so no cast kernel runs for it."""
         return (
             consumer not in low
             and names.get(consumer) in PROMOTING
             and any(
                 a is not besides and a not in redundant and delivered.get(a) == _F32
                 and tensor_dtype(a) == _F32 and (tensor_ndim(a) or 0) >= 1
-                for a in uses_of(consumer)
+                for a in uses
             )
         )  # fmt: skip
 
@@ -180,7 +180,8 @@ def plan_casts(
             and tensor_ndim(bias) == 1
             and _F32 in wants
             and dtype not in wants
-            and not all(promotes(u, besides=v) for u in v.users if wanted(u, v) == _F32)
+            and not all(promotes(u, uses_of(u), besides=v)
+                        for u in v.users if wanted(u, v) == _F32)  # fmt: skip
         ):
             bias_splits.add(v)
             exempt[v] = exempt[v] | {"bias"}
@@ -194,7 +195,7 @@ def plan_casts(
         if consumer in redundant:
             continue
         uses = uses_of(consumer)
-        promoted = promotes(consumer)
+        promoted = promotes(consumer, uses)
         for value in dict.fromkeys(uses):
             source = value
             while source in redundant:
