@@ -180,11 +180,13 @@ def test_adam_state_in_float16_with_eps_1e_8_really_breaks_the_weights():
     assert not torch.isfinite(net.weight).all()
 
 
-def test_o3_float16_with_adams_default_eps_is_refused_and_changes_nothing():
+@pytest.mark.parametrize("level", ["O3", "lean"])
+def test_float16_state_with_adams_default_eps_is_refused_and_changes_nothing(level):
     net = mlp()
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    with pytest.raises(ValueError, match=r"param group 0 has eps=1e-08, below float16's"):
-        amp.initialize(net, torch.optim.AdamW(net.parameters()), "O3", torch.float16)
+    match = rf"param group 0 has eps=1e-08, below float16's .*: {level} without float32"
+    with pytest.raises(ValueError, match=match):
+        amp.initialize(net, torch.optim.AdamW(net.parameters()), level, torch.float16)
     assert amp.get_policy(net) is None
     for key, value in net.state_dict().items():
         assert value.dtype == torch.float32 and torch.equal(value, before[key]), key

@@ -371,7 +371,7 @@ def initialize(
             )
     # O3, and O2 without master weights, step float16 parameters: float16 optimizer state.
     if optimizer is not None and dtype == torch.float16 and (level == "O3" or not masters):
-        _check_optimizer_eps(optimizer, low_params(model, plan), level)
+        _check_optimizer_eps(optimizer, low_params(model, plan), "lean" if lean else level)
     if fp8_recipe:
         from mixprec.float8 import convert_to_float8  # float8 loads only when asked for
 
