@@ -439,3 +439,60 @@ def test_an_unscaled_bfloat16_o2_step_skips_on_an_inf_in_any_gradient(flat, monk
     assert checked[0] == (sorted([48 + 8 + 24 + 3] + [8, 8]) if flat else sizes)
     no_head = [n for n in sizes if n != 24]  # step 4: the head's weight has no gradient
     assert checked[4] == (sorted([48 + 8 + 3] + [8, 8]) if flat else no_head)
+
+
+# -- groups added later ------------------------------------------------------------------
+
+ADDED_MODES = ["fp32", "split", "split8", "kahan", "stochastic"]
+
+
+def _two_groups(mode: str, late: bool):
+    """A bfloat16 MLP whose second layer is a group of its own: added after the
+    optimizer was built (from a generator, as ``module.parameters()`` gives) or not."""
+    model = tiny_mlp(torch.bfloat16)
+    first = [{"params": list(model[0].parameters())}]
+    second = {"params": model[2].parameters(), "lr": 3e-3}
+    inner = torch.optim.AdamW(first if late else first + [second], lr=1e-3)
+    opt = LossScaleOptimizer(inner, loss_scale=None, master_weights=mode)
+    if late:
+        opt.add_param_group(second)
+    return model, opt
+
+
+@pytest.mark.parametrize("mode", ADDED_MODES)
+def test_a_group_added_later_steps_as_one_given_up_front(mode):
+    (late, late_opt), (early, early_opt) = _two_groups(mode, True), _two_groups(mode, False)
+    weight = late[2].weight.detach().clone()
+    for seed in range(3):
+        train_step(late_opt, late, seed)
+        train_step(early_opt, early, seed)
+    assert not torch.equal(late[2].weight, weight)
+    for a, b in zip(late.parameters(), early.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ADDED_MODES)
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (lambda m: {"params": [m[0].weight]}, ValueError, "already steps"),
+        (lambda m: {"params": [m[2].weight, m[2].weight]}, ValueError, "repeats a parameter"),
+        (lambda m: {"params": set(m[2].parameters())}, TypeError, "is a set"),
+        (lambda m: {"params": [m[2].weight * 2]}, ValueError, "non-leaf"),
+        (lambda m: {"params": ["weight"]}, TypeError, "holds a str"),
+    ],
+    ids=["in-another-group", "twice", "set", "non-leaf", "not-a-tensor"],
+)
+def test_a_bad_group_is_refused_and_changes_nothing(mode, bad, error, match):
+    """The inner optimizer sees masters or lean views, not the model's parameters, so
+    the wrapper refuses what torch's optimizers refuse before anything takes them on."""
+    model, opt = _two_groups(mode, True)
+    twin, twin_opt = _two_groups(mode, True)
+    with pytest.raises(error, match=match):
+        opt.add_param_group(bad(model))
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+    for seed in range(2):
+        train_step(opt, model, seed)
+        train_step(twin_opt, twin, seed)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)

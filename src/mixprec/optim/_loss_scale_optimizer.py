@@ -726,10 +726,43 @@ class LossScaleOptimizer(OptimizerWrapper):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # .get: torch's constructor calls this before the parts below exist.
         if getattr(self, "_master", None) is not None:
-            param_group = self._master.add_param_group(param_group)
+            param_group = self._master.add_param_group(self._checked_group(param_group))
         super().add_param_group(param_group)
         if (ema := getattr(self, "_ema", None)) is not None:
             self._ema = ParameterEMA(self._stepped_params(), ema.momentum, ema.overwrite_frequency)
+
+    def _checked_group(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """``param_group`` with its params as a list, refused as torch's optimizers refuse
+        a group, before master weights take it on: the inner optimizer sees masters (new
+        tensors) and lean runs (views), so it could no longer tell a repeated parameter,
+        and a generator of parameters would be used up before it saw them."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group["params"]
+        if isinstance(params, set):
+            raise TypeError(
+                "param_group['params'] is a set, whose order changes between runs; pass "
+                "a list of parameters"
+            )
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(
+                    f"param_group['params'] holds a {type(p).__name__}; the optimizer can "
+                    "only step tensors (pass module.parameters())"
+                )
+            if not p.is_leaf:
+                raise ValueError(
+                    "param_group['params'] holds a non-leaf tensor (the result of an op); "
+                    "pass the parameters themselves"
+                )
+        known = {id(p) for p in self.model_params()}
+        if len({id(p) for p in params}) < len(params) or any(id(p) in known for p in params):
+            raise ValueError(
+                "param_group['params'] repeats a parameter, or holds one the optimizer "
+                "already steps; a parameter can be in one group only, once"
+            )
+        return {**param_group, "params": params}
 
     def model_params(self) -> list[torch.Tensor]:
         """The model's own parameters (not their float32 masters), in group order."""
