@@ -408,6 +408,11 @@ def test_a_disabled_scaler_passes_everything_through(kind):
     assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
 
 
+#: A state dict as ``torch.amp.GradScaler.state_dict()`` writes one.
+TORCH_STATE = {"scale": 4.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3,
+               "_growth_tracker": 1}  # fmt: skip
+
+
 def test_a_disabled_scaler_loads_what_a_disabled_scaler_saved_as_torch_does():
     """``GradScaler(enabled=use_amp)`` resuming its own checkpoint with use_amp=False."""
     torch.amp.GradScaler("cpu", enabled=False).load_state_dict({})  # torch: a no-op
@@ -420,6 +425,27 @@ def test_an_enabled_scaler_refuses_an_empty_state_dict_as_torch_does():
     for cls in SCALERS.values():
         with pytest.raises(RuntimeError, match="empty"):
             cls("cpu").load_state_dict({})
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        ({"scale": 2.0}, ValueError, "lacks 'growth_factor', 'backoff_factor', 'growth_interval'"),
+        ([("scale", 2.0)], TypeError, "got list"),
+        ({**TORCH_STATE, "scale": -2.0}, ValueError, "positive"),
+    ],
+    ids=["partial", "not-a-dict", "negative-scale"],
+)
+def test_a_state_dict_that_no_scaler_saved_is_refused_and_changes_nothing(bad, error, match):
+    scaler = mixprec.GradScaler("cpu", init_scale=8.0, growth_interval=5)
+    before = scaler.state_dict()
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict(bad)
+    after = scaler.state_dict()
+    assert after.pop("mixprec") is not None and before.pop("mixprec") is not None
+    assert after == before and scaler.get_scale() == 8.0
+    scaler.load_state_dict(TORCH_STATE)  # a whole torch.amp.GradScaler state loads
+    assert scaler.get_scale() == 4.0 and scaler.get_growth_interval() == 3
 
 
 # -- the AMP examples, bit for bit ------------------------------------------------------------

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any
 
@@ -56,6 +56,10 @@ from mixprec.loss_scale import (
 from mixprec.numerics import coalesce_sparse_half_grads_, unscale_and_check_
 
 __all__ = ["GradScaler"]
+
+
+#: What a ``torch.amp.GradScaler`` state dict holds besides ``_growth_tracker``.
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
 class _Stage(Enum):
@@ -371,16 +375,27 @@ class GradScaler:
         resumes whatever ``use_amp`` is)."""
         if not self._enabled:
             return
-        if len(state_dict) == 0:
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"state_dict must be the dict GradScaler.state_dict() returns, got "
+                f"{type(state_dict).__name__}"
+            )
+        if len(state_dict) == 0:  # RuntimeError, as torch's scaler raises for it
             raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
+                "state_dict is empty: a scaler built with enabled=False saves {}; load it "
+                "into a disabled scaler, or leave this one as built"
             )
         ls = self.loss_scale
         own = state_dict.get("mixprec")
         if own is not None:
             restore_loss_scale(ls, own)  # checks everything first
             return
+        missing = [key for key in _TORCH_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(
+                f"state_dict lacks {', '.join(map(repr, missing))}: it is not the state of "
+                f"a GradScaler (mixprec's or torch.amp's); it has {sorted(map(str, state_dict))}"
+            )
         DynamicLossScale(
             initial_scale=state_dict["scale"], growth_factor=state_dict["growth_factor"],
             backoff_factor=state_dict["backoff_factor"],
