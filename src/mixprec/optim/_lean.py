@@ -248,7 +248,8 @@ class LeanUpdates:
     or read: a different random stream from the eager step's, as unbiased. The state is the inner AdamW's own, so checkpoints move freely
     between the two; the step does not call the inner optimizer's ``step()``, so a
     step with ``step()`` keyword arguments, or an inner optimizer with step hooks,
-    takes the eager path. The first fused step compiles (seconds); ``fused=False``
+    takes the eager path. The first fused step compiles (seconds, more for many
+    parameter tensors: each is a loop of its own); ``fused=False``
     never compiles.
 
     Takes the place of :class:`~mixprec.optim.MasterWeights` in a ``LossScaleOptimizer``
