@@ -633,6 +633,7 @@ def same(a, b):
 
 BAD_CALLS = [
     (dict(level="O4"), ValueError, "O4"),
+    (dict(level="rewrite"), ValueError, "mixprec.rewrite.rewrite(model"),
     (dict(level=1), TypeError, "level"),
     (dict(dtype=torch.float32), ValueError, "float32"),
     (dict(dtype=torch.int8), ValueError, "dtype"),

@@ -172,7 +172,9 @@ def check_level_name(level: Any) -> Level:
     word = level.strip().lower()
     normal = word if word in ("auto", "lean") else level.strip().upper()
     if normal not in LEVELS:
-        raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+        hint = ("; the graph rewrite is mixprec.rewrite.rewrite(model, example_inputs, dtype)"
+                if word == "rewrite" else "")  # fmt: skip  # (the CLI's --level rewrite)
+        raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}{hint}")
     return cast("Level", normal)  # one of LEVELS, the canonical spellings
 
 
