@@ -171,6 +171,22 @@ def test_a_batch_of_one_warns_that_the_batch_size_is_fixed():
         capture(nn.Linear(3, 3), torch.randn(1, 3))
 
 
+@pytest.mark.parametrize(
+    "call, got",
+    [((4, 5, 8), r"\[4, 5, 8\] float32 \(Guard failed"), ((4, 3), r"\[4, 3\] float32")],
+    ids=["another-length", "a-dimension-fewer"],
+)
+def test_a_graph_called_with_inputs_of_another_shape_says_so_and_how_to_fix_it(call, got):
+    """Only the batch dimension is free; torch's own failures here are an
+    AssertionError with a guard's text and an IndexError."""
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+    gm = rewrite(model, torch.randn(4, 3, 8), dtype=torch.bfloat16)
+    assert gm(torch.randn(6, 3, 8)).shape == (6, 3, 4)
+    captured = r"captured for inputs \[B, 3, 8\] float32 \(B: any batch size\)"
+    with pytest.raises(ValueError, match=rf"{captured} and is called with {got}.*leave example_inputs out"):
+        gm(torch.randn(*call))
+
+
 @pytest.mark.parametrize("bad", [None, 3, {"x": torch.ones(2)}, ("text",)])
 def test_example_inputs_must_be_tensors_or_tuples_with_a_tensor(bad):
     with pytest.raises(TypeError, match="example_inputs must"):

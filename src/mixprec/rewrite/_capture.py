@@ -257,7 +257,47 @@ def _export(model: nn.Module, args: tuple[Any, ...]) -> tuple[fx.GraphModule, St
     # A plain GraphModule over the same graph and attributes: the exported
     # module's class forbids train()/eval(), which the rewritten model needs.
     gm = fx.GraphModule(unlifted, unlifted.graph, class_name=type(model).__name__)
+    guards = getattr(gm, "_guards_fn", None)
+    if isinstance(guards, nn.Module):
+        gm._guards_fn = InputGuards(guards, describe_inputs(args, free_batch=True))
     return gm, (found[-1] if found else None)
+
+
+def describe_inputs(args: tuple[Any, ...], free_batch: bool = False) -> str:
+    """The tensors among ``args`` as ``[B, 12] int64, ...`` (``B``: a free batch size).
+
+    >>> describe_inputs((torch.zeros(4, 12, dtype=torch.int64), 3), free_batch=True)
+    '[B, 12] int64'
+    """
+    shapes = []
+    for leaf in pytree.tree_leaves(args):
+        if isinstance(leaf, torch.Tensor):
+            dims = [str(d) for d in leaf.shape]
+            if free_batch and dims:
+                dims[0] = "B"
+            shapes.append(f"[{', '.join(dims)}] {str(leaf.dtype).removeprefix('torch.')}")
+    return ", ".join(shapes) or "no tensors"
+
+
+class InputGuards(nn.Module):
+    """An exported graph's checks of its inputs, failing with what the graph was captured
+    for and the fix, where torch's say ``Guard failed: ids.size()[1] == 12`` or cannot
+    index a dimension the input lacks. Only a failed check costs anything."""
+
+    def __init__(self, guards: nn.Module, captured: str) -> None:
+        super().__init__()
+        self.guards, self.captured = guards, captured
+
+    def forward(self, *args: Any) -> Any:
+        try:
+            return self.guards(*args)
+        except (AssertionError, IndexError) as error:
+            raise ValueError(
+                f"the rewritten graph was captured for inputs {self.captured} (B: any batch "
+                f"size) and is called with {describe_inputs(args)} ({error}); capture with "
+                "example inputs of the shapes you call it with, or leave example_inputs out: "
+                "rewrite(model, dtype=...) captures a graph for each new shape"
+            ) from None
 
 
 class _Tracer(fx.Tracer):
