@@ -380,10 +380,12 @@ class GradScaler:
                 f"state_dict must be the dict GradScaler.state_dict() returns, got "
                 f"{type(state_dict).__name__}"
             )
-        if len(state_dict) == 0:  # RuntimeError, as torch's scaler raises for it
+        if len(state_dict) == 0:
+            # torch's scaler raises RuntimeError here, and resume code in the wild tests
+            # the message for "source state dict is empty" to skip such a checkpoint.
             raise RuntimeError(
-                "state_dict is empty: a scaler built with enabled=False saves {}; load it "
-                "into a disabled scaler, or leave this one as built"
+                "The source state dict is empty: a GradScaler built with enabled=False "
+                "saves {}; load it into a disabled scaler, or leave this one as built"
             )
         ls = self.loss_scale
         own = state_dict.get("mixprec")
