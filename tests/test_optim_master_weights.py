@@ -480,8 +480,9 @@ def test_a_group_added_later_steps_as_one_given_up_front(mode):
         (lambda m: {"params": set(m[2].parameters())}, TypeError, "is a set"),
         (lambda m: {"params": [m[2].weight * 2]}, ValueError, "non-leaf"),
         (lambda m: {"params": ["weight"]}, TypeError, "holds a str"),
+        (lambda m: {"lr": 0.1}, ValueError, "no 'params' entry"),
     ],
-    ids=["in-another-group", "twice", "set", "non-leaf", "not-a-tensor"],
+    ids=["in-another-group", "twice", "set", "non-leaf", "not-a-tensor", "no-params"],
 )
 def test_a_bad_group_is_refused_and_changes_nothing(mode, bad, error, match):
     """The inner optimizer sees masters or lean views, not the model's parameters, so

@@ -738,6 +738,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         and a generator of parameters would be used up before it saw them."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if "params" not in param_group:
+            raise ValueError(
+                f"param_group has no 'params' entry (it has {sorted(param_group)}); pass "
+                "{'params': module.parameters(), ...}"
+            )
         params = param_group["params"]
         if isinstance(params, set):
             raise TypeError(
