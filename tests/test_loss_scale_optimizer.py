@@ -4,6 +4,7 @@ checkpoints, GradScaler parity and a float16 underflow training run."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -293,6 +294,34 @@ def test_load_state_dict_rejects_mismatch_and_changes_nothing():
     with pytest.raises(ValueError, match="different number of parameter groups"):
         opt.load_state_dict({"state": {}, "param_groups": []})
     assert float(opt.loss_scale) == 8.0
+
+
+@pytest.mark.parametrize(
+    "saved, loading, match",
+    [
+        ({"master_weights": "fp32"}, {}, "saved with master weights, this optimizer has none; "
+         "build it with the checkpoint's master_weights"),
+        ({}, {"use_ema": True}, "saved without moving averages of the parameters, this "
+         "optimizer has them; build it with the checkpoint's use_ema"),
+        ({"gradient_accumulation_steps": 2}, {}, "saved with gradient accumulation, this "
+         "optimizer has none; build it with the checkpoint's gradient_accumulation_steps"),
+    ],
+    ids=["master", "ema", "accumulation"],
+)
+def test_a_checkpoint_of_another_configuration_names_the_option(saved, loading, match):
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+
+    def build(**options):
+        return LossScaleOptimizer(torch.optim.SGD([w], lr=0.5), 4.0, **options)
+
+    opt = build(**loading)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=re.escape(match)):
+        opt.load_state_dict(build(**saved).state_dict())
+    after = opt.state_dict()
+    assert torch.equal(after["mixprec"]["loss_scale"]["state"]["scale"],
+                       before["mixprec"]["loss_scale"]["state"]["scale"])  # fmt: skip
+    assert after["param_groups"] == before["param_groups"]
 
 
 # -- PyTorch integration ----------------------------------------------------------------

@@ -847,6 +847,12 @@ class LossScaleOptimizer(OptimizerWrapper):
     _PARTS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("master", "_master"), ("ema", "_ema"), ("accumulation", "_accumulator"),
     )  # fmt: skip
+    #: Each part as a refused load names it: what it is, and the option that makes it.
+    _PART_OPTIONS: ClassVar[dict[str, tuple[str, str]]] = {
+        "master": ("master weights", "master_weights (amp levels O2 and lean have them)"),
+        "ema": ("moving averages of the parameters", "use_ema"),
+        "accumulation": ("gradient accumulation", "gradient_accumulation_steps"),
+    }
 
     def _own_state_dict(self) -> dict[str, Any]:
         if self._held_grads:
@@ -871,9 +877,11 @@ class LossScaleOptimizer(OptimizerWrapper):
             for key, attr in self._PARTS:
                 part = getattr(self, attr)
                 if (own[key] is None) != (part is None):
+                    what, option = self._PART_OPTIONS[key]
                     raise ValueError(
                         f"the checkpoint was saved {'without' if own[key] is None else 'with'} "
-                        f"{key} but this optimizer is configured {'with' if part else 'without'} it"
+                        f"{what}, this optimizer {'has them' if part else 'has none'}; build "
+                        f"it with the checkpoint's {option}"
                     )
                 if part is not None:
                     _check_same_layout(part.state_dict(), own[key], f"state_dict['mixprec'][{key!r}]")
