@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
-from mixprec.amp import _casting
+from mixprec.amp import _casting, _levels
 
 F32 = torch.float32
 DEVICES = [
@@ -271,6 +271,35 @@ def test_keep_batchnorm_fp32_at_o1_runs_normalisation_in_float32():
     assert ops.dtypes_of("convolution") == {"torch.bfloat16"}
     assert ops.dtypes_of("native_batch_norm", "_native_batch_norm_legit") == {"torch.float32"}
     assert ops.dtypes_of("addmm") == {"torch.bfloat16"} and out.dtype == F32
+
+
+@pytest.mark.parametrize("probe", ["this-cpu", "cannot"])
+def test_o1_float16_runs_lstms_in_float32_where_cpu_autocast_cannot(probe, monkeypatch):
+    """oneDNN has no float16 LSTM on CPUs without float16 instructions, so there
+    ``torch.autocast("cpu", torch.float16)`` fails in an LSTM's forward; O1 runs the
+    LSTM in float32 and the rest under autocast. "cannot" makes any CPU one of those."""
+    if probe == "cannot":
+        monkeypatch.setattr(_levels, "_cpu_autocast_runs_lstm", lambda dtype: False)
+    runs = _levels._cpu_autocast_runs_lstm(torch.float16)
+    model = real_models.lstm(width=16)
+    reference = copy.deepcopy(model)
+    amp.initialize(model, level="O1", dtype=torch.float16)
+    seen = {}
+
+    def record(name):
+        def hook(module, args, out):
+            seen[name] = (out[0] if isinstance(out, tuple) else out).dtype
+        return hook
+
+    for name in ("lstm", "head"):
+        getattr(model, name).register_forward_hook(record(name))
+    ids, targets = real_models.char_batches(batch=2, length=12, steps=1)[0]
+    loss = real_models.lm_loss(model(ids), targets)
+    loss.backward()
+    assert seen == {"lstm": torch.float16 if runs else F32, "head": torch.float16}
+    want = real_models.lm_loss(reference(ids), targets)
+    assert abs(loss.item() - want.item()) < 0.01  # float16 head only: near float32
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def test_o1_on_a_device_type_without_autocast_is_refused_and_leaves_nothing_behind():

@@ -348,6 +348,7 @@ def initialize(
         # torch.autocast decides every op; keep_batchnorm_fp32=True asks for float32
         # normalisation layers on top (regions of their own, autocast off inside).
         white, black = (), (_BLACK_MODULES if keep_batchnorm_fp32 else ())
+        black += _lstms_autocast_cannot_run(model, dtype)
     elif level == "O1":
         white = tuple(get_white_list()) if white is None else white
         black = tuple(get_black_list()) if black is None else black
@@ -397,6 +398,34 @@ def initialize(
     if optimizer is None:
         return model, None
     return model, LossScaleOptimizer(optimizer, loss_scale=scaler, master_weights=masters)
+
+
+def _lstms_autocast_cannot_run(model: nn.Module, dtype: torch.dtype) -> tuple[type[nn.Module], ...]:
+    """``(nn.LSTM,)`` where ``model`` has an LSTM on a CPU on which ``torch.autocast``
+    cannot run one in ``dtype``, else ``()``: O1 then runs its LSTMs in float32, as
+    regions of their own, where autocast would fail in the forward."""
+    on_cpu = any(p.device.type == "cpu" for p in model.parameters())
+    if not on_cpu or not any(isinstance(m, nn.LSTM) for m in model.modules()):
+        return ()
+    if _cpu_autocast_runs_lstm(dtype):
+        return ()
+    _log.info("O1: torch.autocast cannot run nn.LSTM in %s on this CPU; LSTMs run in float32", dtype)
+    return (nn.LSTM,)
+
+
+@functools.cache
+def _cpu_autocast_runs_lstm(dtype: torch.dtype) -> bool:
+    """Whether ``torch.autocast("cpu", dtype)`` runs an ``nn.LSTM`` forward and backward:
+    it casts the LSTM to ``dtype`` and calls oneDNN, which has no float16 LSTM on CPUs
+    without float16 instructions ("could not create a primitive descriptor")."""
+    lstm = nn.LSTM(2, 2)
+    try:
+        with torch.autocast("cpu", dtype=dtype):
+            out = lstm(torch.zeros(1, 1, 2))[0]
+        out.float().sum().backward()
+    except RuntimeError:
+        return False
+    return True
 
 
 def check_fp8(fp8: Any) -> Literal["dynamic", "delayed"] | None:
