@@ -9,6 +9,7 @@ import math
 import re
 
 import pytest
+import real_models
 import torch
 from matplotlib.image import imread
 from PIL import Image
@@ -303,7 +304,7 @@ def test_diagnose_leaves_the_model_as_it_was():
         (
             {"batches": [torch.ones(2, 4)]},
             ValueError,
-            r"batches\[0\] must be an \(inputs, target\)",
+            r"batches\[0\] must be an \(inputs, target\) pair or a dict of the model's",
         ),
         ({"loss_fn": lambda o, y: o}, ValueError, "loss_fn must return a one-element tensor"),
         ({"tolerance": 2}, ValueError, "tolerance must be a number in"),
@@ -321,6 +322,27 @@ def test_bad_input_is_a_clear_error(kwargs, error, match):
     with pytest.raises(error, match=match):
         diagnose(args.pop("model"), args.pop("loss_fn"), args.pop("batches"), **args)
     assert net.weight.grad is None
+
+
+def test_a_hugging_face_model_is_diagnosed_from_its_dict_batches():
+    """A Hugging Face batch is a dict of the model's keyword arguments, labels included:
+    ``model(**batch)``, and the loss function gets the batch as its target (here it
+    takes the model's own loss). A pair of (keyword inputs, target) reads the same
+    histograms as a pair of (positional inputs, target)."""
+    no_dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0)
+    model = real_models.gpt2(layers=1, width=16, **no_dropout)  # the same values each run
+    ids, targets = real_models.char_batches(batch=2, length=8, steps=1)[0]
+
+    def logits_loss(out, labels):
+        return real_models.lm_loss(out.logits, labels)
+
+    as_dict = diagnose(model, lambda out, batch: out.loss, [{"input_ids": ids, "labels": ids}])
+    as_pair = diagnose(model, logits_loss, [({"input_ids": ids}, targets)])
+    positional = diagnose(model, logits_loss, [((ids,), targets)])
+    assert as_pair.layers and set(as_dict.layers) == set(as_pair.layers) == set(positional.layers)
+    for name, stats in positional.layers.items():
+        assert as_pair.layers[name].exponent_range == stats.exponent_range, name
+        assert as_pair.layers[name].underflow_fraction == stats.underflow_fraction, name
 
 
 def test_a_frozen_model_has_nothing_to_diagnose():

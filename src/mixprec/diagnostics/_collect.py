@@ -25,7 +25,7 @@ its ``.grad`` fields and buffers (e.g. BatchNorm running statistics) are restore
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -110,16 +110,23 @@ class _Recorder:
         return stats
 
 
-def _split(batch: Any, index: int) -> tuple[Sequence[Any], Any]:
+def _split(batch: Any, index: int) -> tuple[Sequence[Any], dict[str, Any], Any]:
+    """A batch as (positional inputs, keyword inputs, target): a mapping is a Hugging
+    Face batch, the model's keyword arguments and the loss function's target at once."""
+    if isinstance(batch, Mapping):
+        return [], dict(batch), batch
     if not isinstance(batch, (list, tuple)) or len(batch) < 2:
         raise ValueError(
-            f"batches[{index}] must be an (inputs, target) pair, got {type(batch).__name__}; "
-            "pass e.g. a DataLoader of (x, y) or a list of (x, y) tuples"
+            f"batches[{index}] must be an (inputs, target) pair or a dict of the model's "
+            f"keyword arguments, got {type(batch).__name__}; pass e.g. a DataLoader of "
+            "(x, y) or a list of (x, y) tuples"
         )
     *inputs, target = batch
+    if len(inputs) == 1 and isinstance(inputs[0], Mapping):
+        return [], dict(inputs[0]), target
     if len(inputs) == 1 and isinstance(inputs[0], (list, tuple)):
         inputs = list(inputs[0])
-    return inputs, target
+    return inputs, {}, target
 
 
 def _to(value: Any, device: torch.device) -> Any:
@@ -143,7 +150,10 @@ def diagnose(
         model: the network, as it is normally trained (float32 recommended).
         loss_fn: ``loss_fn(model(*inputs), target) -> scalar loss``.
         batches: an iterable of ``(inputs, target)`` pairs (a ``DataLoader`` works);
-            ``inputs`` is a tensor or a tuple of tensors. Tensors move to the model's device.
+            ``inputs`` is a tensor, a tuple of tensors, or a dict of keyword arguments.
+            A batch that is a dict (a Hugging Face batch) is both: ``model(**batch)``,
+            then ``loss_fn(output, batch)`` (``lambda out, batch: out.loss`` for a model
+            given its labels). Tensors move to the model's device.
         dtype: the low-precision dtype to assess, ``torch.float16`` or ``torch.bfloat16``.
         max_batches: stop after this many batches (default: all of ``batches``).
         tolerance, margin_bits, horizon_bits: see :class:`~mixprec.diagnostics.PrecisionReport`.
@@ -178,10 +188,11 @@ def diagnose(
         for index, batch in enumerate(batches):
             if max_batches is not None and index >= max_batches:
                 break
-            inputs, target = _split(batch, index)
+            inputs, keywords, target = _split(batch, index)
             for p in saved_grads:
                 p.grad = None
-            output = model(*[_to(x, device) for x in inputs])
+            output = model(*[_to(x, device) for x in inputs],
+                           **{k: _to(x, device) for k, x in keywords.items()})  # fmt: skip
             loss = loss_fn(output, _to(target, device))
             if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
                 raise ValueError(
