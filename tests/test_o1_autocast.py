@@ -302,6 +302,16 @@ def test_o1_float16_runs_lstms_in_float32_where_cpu_autocast_cannot(probe, monke
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_the_lstm_probe_draws_no_random_number():
+    """Building the probe's LSTM initialises its weights: the user's stream is kept."""
+    _levels._cpu_autocast_runs_lstm.cache_clear()
+    torch.manual_seed(3)
+    _levels._cpu_autocast_runs_lstm(torch.float16)
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(4))
+
+
 def test_o1_on_a_device_type_without_autocast_is_refused_and_leaves_nothing_behind():
     model = nn.Linear(2, 2, device="meta")
     amp.initialize(model, level="O1", dtype=torch.bfloat16)

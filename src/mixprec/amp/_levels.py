@@ -418,7 +418,8 @@ def _cpu_autocast_runs_lstm(dtype: torch.dtype) -> bool:
     """Whether ``torch.autocast("cpu", dtype)`` runs an ``nn.LSTM`` forward and backward:
     it casts the LSTM to ``dtype`` and calls oneDNN, which has no float16 LSTM on CPUs
     without float16 instructions ("could not create a primitive descriptor")."""
-    lstm = nn.LSTM(2, 2)
+    with torch.random.fork_rng(devices=[]):  # the LSTM's initialisation draws numbers
+        lstm = nn.LSTM(2, 2)
     try:
         with torch.autocast("cpu", dtype=dtype):
             out = lstm(torch.zeros(1, 1, 2))[0]
