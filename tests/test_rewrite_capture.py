@@ -169,6 +169,10 @@ def test_in_place_ops_on_inputs_stay_in_place():
 def test_a_batch_of_one_warns_that_the_batch_size_is_fixed():
     with pytest.warns(UserWarning, match="batch size 1"):
         capture(nn.Linear(3, 3), torch.randn(1, 3))
+    with pytest.warns(UserWarning, match="batch size 1"):
+        gm = rewrite(nn.Linear(3, 3), torch.randn(1, 3), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"for inputs \[1, 3\] float32 and is called with \[2, 3\]"):
+        gm(torch.randn(2, 3))
 
 
 @pytest.mark.parametrize(

@@ -264,7 +264,8 @@ def _export(model: nn.Module, args: tuple[Any, ...]) -> tuple[fx.GraphModule, St
 
 
 def describe_inputs(args: tuple[Any, ...], free_batch: bool = False) -> str:
-    """The tensors among ``args`` as ``[B, 12] int64, ...`` (``B``: a free batch size).
+    """The tensors among ``args`` as ``[B, 12] int64, ...``; ``B``: a batch size the
+    graph leaves free (``free_batch``: every first dimension but 1, which export fixes).
 
     >>> describe_inputs((torch.zeros(4, 12, dtype=torch.int64), 3), free_batch=True)
     '[B, 12] int64'
@@ -273,7 +274,7 @@ def describe_inputs(args: tuple[Any, ...], free_batch: bool = False) -> str:
     for leaf in pytree.tree_leaves(args):
         if isinstance(leaf, torch.Tensor):
             dims = [str(d) for d in leaf.shape]
-            if free_batch and dims:
+            if free_batch and dims and leaf.shape[0] > 1:
                 dims[0] = "B"
             shapes.append(f"[{', '.join(dims)}] {str(leaf.dtype).removeprefix('torch.')}")
     return ", ".join(shapes) or "no tensors"
@@ -293,8 +294,9 @@ class InputGuards(nn.Module):
             return self.guards(*args)
         except (AssertionError, IndexError) as error:
             raise ValueError(
-                f"the rewritten graph was captured for inputs {self.captured} (B: any batch "
-                f"size) and is called with {describe_inputs(args)} ({error}); capture with "
+                f"the rewritten graph was captured for inputs {self.captured}"
+                f"{' (B: any batch size)' if '[B' in self.captured else ''} and is called "
+                f"with {describe_inputs(args)} ({error}); capture with "
                 "example inputs of the shapes you call it with, or leave example_inputs out: "
                 "rewrite(model, dtype=...) captures a graph for each new shape"
             ) from None
