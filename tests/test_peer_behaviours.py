@@ -132,6 +132,56 @@ def test_private_scale_reads_as_torchs_does():
         mixprec.GradScaler("cpu")._scale = torch.tensor(2.0)  # type: ignore[misc]
 
 
+@pytest.mark.parametrize("another_rank_overflowed", [False, True])
+def test_found_inf_per_device_is_the_live_flag_the_step_goes_by_as_torchs_is(
+    another_rank_overflowed,
+):
+    """Data-parallel loops all-reduce ``scaler._found_inf_per_device(opt)`` with MAX
+    between ``unscale_()`` and ``step()`` so that every rank skips together, and read it
+    after ``step()`` to learn whether the step was skipped. Here the reduction's result
+    is written in place, as an all-reduce writes it."""
+    outcomes = {}
+    for kind, cls in SCALERS.items():
+        scaler = cls("cpu", init_scale=8.0)
+        weight = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([weight], lr=0.5)
+        assert scaler._found_inf_per_device(opt) == {}
+        scaler.scale((weight * 2).sum()).backward()
+        scaler.unscale_(opt)
+        flags = scaler._found_inf_per_device(opt)
+        assert [float(flag) for flag in flags.values()] == [0.0]
+        for flag in flags.values():
+            flag.fill_(float(another_rank_overflowed))
+        scaler.step(opt)
+        after_step = [float(flag) for flag in scaler._found_inf_per_device(opt).values()]
+        scaler.update()
+        outcomes[kind] = (weight.tolist(), after_step, scaler.get_scale(),
+                          scaler._found_inf_per_device(opt))  # fmt: skip
+    moved = [1.0, 1.0] if another_rank_overflowed else [0.0, 0.0]
+    assert outcomes["mixprec"] == outcomes["torch"]
+    assert outcomes["torch"] == (moved, [float(another_rank_overflowed)],
+                                 4.0 if another_rank_overflowed else 8.0, {})  # fmt: skip
+
+
+def test_check_inf_per_device_flags_an_inf_and_leaves_the_gradients_scaled_as_torchs_does():
+    """Custom fused optimizers and overflow monitors call ``_check_inf_per_device``."""
+    for cls in SCALERS.values():
+        scaler = cls("cpu", init_scale=8.0)
+        weight = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([weight], lr=0.5)
+        scaler.scale((weight * 2).sum()).backward()
+        assert [float(f) for f in scaler._check_inf_per_device(opt).values()] == [0.0]
+        assert weight.grad.tolist() == [16.0, 16.0]  # still scaled
+        weight.grad[0] = math.inf
+        assert [float(f) for f in scaler._check_inf_per_device(opt).values()] == [1.0]
+        scaler.step(opt)  # unscales, finds the inf again, skips
+        scaler.update()
+        assert weight.tolist() == [1.0, 1.0] and scaler.get_scale() == 4.0
+    with pytest.raises(RuntimeError, match="disabled"):
+        mixprec.GradScaler("cpu", enabled=False)._check_inf_per_device(opt)
+    assert mixprec.GradScaler("cpu", enabled=False)._found_inf_per_device(opt) == {}
+
+
 def test_lazy_init_after_a_load_keeps_the_loaded_state_as_torchs_does():
     """Accelerate loads a scaler's state and then calls ``_lazy_init_scale_growth_tracker
     (scaler._device)`` before any loss is scaled (its FSDP2 path)."""

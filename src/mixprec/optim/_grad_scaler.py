@@ -314,6 +314,34 @@ class GradScaler:
         self.loss_scale.to(torch.device(dev))
         self._placed = True
 
+    def _found_inf_per_device(
+        self, optimizer: torch.optim.Optimizer
+    ) -> dict[torch.device, torch.Tensor]:
+        """``{device: flag}``: the overflow flag ``step(optimizer)`` goes by, as torch's
+        private method of this name returns it (empty before ``unscale_()``/``step()``, after
+        ``update()`` and when disabled). The flag is the live one: code that all-reduces it
+        across data-parallel ranks between ``unscale_()`` and ``step()`` makes every rank
+        skip together, as with torch's; after ``step()`` it says whether the step was
+        skipped (1.0) or applied (0.0)."""
+        if not self._enabled:
+            return {}
+        found_inf = self._state_of(optimizer)["found_inf"]
+        return {} if found_inf is None else {found_inf.device: found_inf}
+
+    def _check_inf_per_device(
+        self, optimizer: torch.optim.Optimizer
+    ) -> dict[torch.device, torch.Tensor]:
+        """Check ``optimizer``'s gradients for inf/NaN without unscaling them and return
+        :meth:`_found_inf_per_device`, as torch's private method of this name does (custom
+        fused optimizers and overflow monitors call it); the gradients stay scaled."""
+        if not self._enabled:
+            raise RuntimeError("_check_inf_per_device(): this GradScaler is disabled")
+        state = self._state_of(optimizer)
+        self._check_scaled()
+        one = torch.ones((), dtype=torch.float32, device=self.loss_scale.device)
+        state["found_inf"] = unscale_and_check_(self._grads(optimizer), one)
+        return self._found_inf_per_device(optimizer)
+
     def _set(self, name: str, arg: str, value: Any) -> None:
         # Validated as a whole configuration, so a setter never stores what the
         # constructor (or a later load_state_dict) would refuse.
