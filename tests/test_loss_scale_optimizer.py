@@ -324,6 +324,41 @@ def test_a_checkpoint_of_another_configuration_names_the_option(saved, loading, 
     assert after["param_groups"] == before["param_groups"]
 
 
+@pytest.mark.parametrize("master_weights", [False, "fp32", "kahan"])
+@pytest.mark.parametrize("overflow", [False, True])
+def test_zero_grad_after_unscale_drops_the_step_as_gradscaler_update_does(overflow, master_weights):
+    """A loop that looks at the clipped norm and drops the step (``zero_grad(); continue``)
+    goes on to the next batch; the scale takes the dropped step's verdict as torch's
+    ``scaler.update()`` after ``unscale_()`` does, and the counters do not count it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2)).half()
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                             DynamicLossScale(initial_scale=1024.0), master_weights=master_weights)  # fmt: skip
+    twin = torch.nn.Parameter(torch.ones(2))  # the same loop with torch's scaler
+    twin_opt, scaler = torch.optim.SGD([twin], lr=0.1), torch.amp.GradScaler("cpu", 1024.0)
+    x, y = batch()
+    for drop in (True, False):
+        opt.scale_loss(F.mse_loss(model(x.half()).float(), y)).backward()
+        scaler.scale(twin.sum()).backward()
+        if overflow:
+            model[0].weight.grad[0, 0] = float("inf")
+            twin.grad[0] = float("inf")
+        opt.unscale_()
+        scaler.unscale_(twin_opt)
+        if not drop:
+            opt.step()
+            break
+        opt.zero_grad()
+        twin_opt.zero_grad()
+        scaler.update()
+        assert float(opt.loss_scale) == scaler.get_scale() == (512.0 if overflow else 1024.0)
+        assert all(p.dtype == torch.float16 and p.grad is None for p in model.parameters())
+        assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+        assert int(opt.iterations) == int(opt.skipped_steps) == 0
+    assert int(opt.iterations) == int(not overflow) and int(opt.skipped_steps) == int(overflow)
+
+
 # -- PyTorch integration ----------------------------------------------------------------
 
 

@@ -719,6 +719,16 @@ class LossScaleOptimizer(OptimizerWrapper):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients. After :meth:`unscale_` without :meth:`step`, this drops
+        the step: ``torch.nn.utils.clip_grad_norm_`` showed a norm the loop will not
+        step on (a spike), so it clears the gradients and goes on to the next batch.
+        The loss scale then takes the dropped step's verdict, as ``GradScaler.update()``
+        after ``unscale_()`` does (an overflow backs it off, so a loop that drops every
+        non-finite step does not overflow forever); the step counters do not count it.
+        Under data parallelism every rank must drop the step (its verdict is agreed)."""
+        if self._unscaled_found_inf is not None:
+            found_inf, self._unscaled_found_inf = self._unscaled_found_inf, None
+            self.loss_scaler.update(found_inf=agree_on_found_inf(found_inf, self.process_group))
         if self._master is not None:
             self._master.zero_grad(set_to_none)
         self._inner.zero_grad(set_to_none)
