@@ -149,6 +149,14 @@ def test_code_blocks_run(page: Path, tmp_path, monkeypatch):
     assert time.perf_counter() - started < 120, f"{relative(page)}: blocks must be tiny"
 
 
+def test_every_file_the_pages_name_exists():
+    """Paths in prose are not links, so the strict docs build does not check them."""
+    named = {(page.name, path) for page in PAGES
+             for path in re.findall(r"\b(?:examples|benchmarks|tests)/[\w/]+\.(?:py|sh)\b",
+                                    page.read_text(encoding="utf-8"))}  # fmt: skip
+    assert named and not [(page, path) for page, path in named if not (ROOT / path).exists()]
+
+
 def test_readme_keeps_the_test_command_ci_runs():
     readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()

@@ -292,6 +292,25 @@ def test_a_training_step_that_returns_none_with_clipping_skips_the_step(tmp_path
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+class LogsTheScale(Toy):
+    """The common Lightning idiom for logging the loss scale and un-scaling gradients by
+    hand, written against ``MixedPrecision``'s ``scaler``."""
+
+    def on_after_backward(self) -> None:
+        scaler = self.trainer.precision_plugin.scaler
+        if scaler is not None:
+            self.seen = [*getattr(self, "seen", []), scaler.get_scale()]
+            assert torch.equal(scaler._scale, torch.tensor(self.seen[-1]))
+
+
+def test_the_plugins_scaler_reads_the_shared_scale_as_mixedprecisions_does(tmp_path):
+    module = LogsTheScale()
+    _, plugin, _ = fit(module, tmp_path)
+    _, _, scales, _ = reference()
+    assert module.seen == [256.0, *scales[:-1]]  # each step's scale before its update
+    assert MixprecPrecision(level="O2", dtype=torch.bfloat16).scaler is None  # as Lightning's
+
+
 def test_a_module_trained_by_one_trainer_is_tested_by_another(tmp_path):
     module = Toy()
     fit(module, tmp_path)

@@ -55,7 +55,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
-__all__ = ["MixprecPrecision"]
+__all__ = ["MixprecPrecision", "ScaleReader"]
 
 #: The attribute that records, on a converted module, the plugin settings it got.
 _CONVERTED = "_mixprec_lightning_precision"
@@ -67,6 +67,33 @@ def _lightning_name(level: str, dtype: torch.dtype) -> str:
         return "32-true"
     low = "bf16" if dtype == torch.bfloat16 else "16"
     return f"{low}-true" if level in ("O3", "lean") else f"{low}-mixed"
+
+
+class ScaleReader:
+    """The plugin's shared loss scale, read the way code written for Lightning's
+    ``MixedPrecision`` reads ``trainer.precision_plugin.scaler`` (a ``GradScaler``): to log
+    the scale, watch it fall, or divide scaled gradients by it in ``on_after_backward``.
+    Read-only: the plugin's optimizers update the scale at each step.
+
+    >>> from mixprec import DynamicLossScale
+    >>> ScaleReader(DynamicLossScale(initial_scale=1024.0)).get_scale()
+    1024.0
+    """
+
+    def __init__(self, loss_scale: Any) -> None:
+        self._loss_scale = loss_scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync)."""
+        return float(self._loss_scale.scale)
+
+    @property
+    def _scale(self) -> torch.Tensor:
+        """The live scale tensor (no sync), as ``GradScaler._scale``."""
+        return self._loss_scale.scale
+
+    def is_enabled(self) -> bool:
+        return True
 
 
 class MixprecPrecision(Precision):
@@ -129,6 +156,13 @@ class MixprecPrecision(Precision):
         self._optimizers: list[LossScaleOptimizer] = []
         self._unscaled: set[int] = set()  # optimizers unscaled since their last step
         self._skipped_backward = False  # training_step returned None: nothing to unscale
+
+    @property
+    def scaler(self) -> ScaleReader | None:
+        """What ``trainer.precision_plugin.scaler`` is to code written for Lightning's
+        ``MixedPrecision``: ``None`` without loss scaling (bfloat16, as Lightning's), else
+        a :class:`ScaleReader` of the shared scale (``get_scale()``, ``_scale``)."""
+        return None if self.loss_scale.kind == "none" else ScaleReader(self.loss_scale)
 
     def __repr__(self) -> str:
         return (
