@@ -115,6 +115,9 @@ def test_an_accelerate_loop_matches_mixprecs_loop_and_resumes_exactly(tmp_path):
     train_epoch(accelerator2, net2, opt2, loader2, sched2)
     assert_same(net2, opt2, ref_net, ref_opt)
     assert accelerator2.scaler.state_dict()["scale"] == float(ref_opt.loss_scale)
+    # What loops that log the scale read, as of torch's GradScaler: the live scale.
+    assert accelerator2.scaler.get_scale() == float(ref_opt.loss_scale)
+    assert accelerator2.scaler._scale is opt2.optimizer.loss_scaler.scale
 
 
 def test_gradients_from_an_unscaled_backward_are_refused():

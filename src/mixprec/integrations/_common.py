@@ -22,7 +22,7 @@ from mixprec._checks import as_low_precision
 from mixprec.amp._levels import check_level_name, choose_auto
 from mixprec.loss_scale import LossScale, default_loss_scale, loss_scale_from_spec
 
-__all__ = ["require", "check_level", "level_loss_scale"]
+__all__ = ["require", "check_level", "level_loss_scale", "ScaleReader"]
 
 #: The optional extras of pyproject.toml and the pinned requirements each installs: the
 #: install hint names them, so it works whether mixprec came from a checkout or not.
@@ -56,3 +56,30 @@ def check_level(level: Any, dtype: Any, device: torch.device | str) -> tuple[str
 def level_loss_scale(spec: Any, level: str, dtype: torch.dtype) -> LossScale:
     """The loss scale ``spec`` names, or the level's own (``amp.initialize``'s rule) for ``None``."""
     return default_loss_scale(level, dtype) if spec is None else loss_scale_from_spec(spec)
+
+
+class ScaleReader:
+    """A shared loss scale, read as code written for a trainer's ``GradScaler`` reads one:
+    to log the scale, watch it fall, or divide scaled gradients by it. Read-only here: the
+    optimizers update the scale at each step.
+
+    >>> from mixprec import DynamicLossScale
+    >>> reader = ScaleReader(DynamicLossScale(initial_scale=1024.0))
+    >>> reader.get_scale(), reader.is_enabled()
+    (1024.0, True)
+    """
+
+    def __init__(self, loss_scale: LossScale) -> None:
+        self.loss_scale = loss_scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (a host sync)."""
+        return float(self.loss_scale.scale)
+
+    @property
+    def _scale(self) -> torch.Tensor:
+        """The live scale tensor (no sync), as ``GradScaler._scale``."""
+        return self.loss_scale.scale
+
+    def is_enabled(self) -> bool:
+        return True

@@ -32,7 +32,7 @@ import torch
 
 from mixprec import amp
 from mixprec._checks import check_instance, check_number
-from mixprec.integrations._common import check_level, require
+from mixprec.integrations._common import ScaleReader, check_level, require
 from mixprec.loss_scale import LossScale, loss_scale_state, restore_loss_scale
 from mixprec.numerics import unscale_and_check_
 from mixprec.optim import LossScaleOptimizer
@@ -49,8 +49,9 @@ __all__ = ["prepare_amp", "LossScaleOptimizerScaler"]
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
-class LossScaleOptimizerScaler:
-    """``torch.amp.GradScaler``'s interface, as Accelerate calls it, over LossScaleOptimizers.
+class LossScaleOptimizerScaler(ScaleReader):
+    """``torch.amp.GradScaler``'s interface, as Accelerate calls it, over LossScaleOptimizers
+    (and as code that logs ``accelerator.scaler.get_scale()`` or ``._scale`` reads it).
 
     All the optimizers share one loss scale (as they share one GradScaler in Accelerate)::
 
@@ -78,7 +79,7 @@ class LossScaleOptimizerScaler:
 
     def __init__(self, loss_scale: LossScale) -> None:
         check_instance("loss_scale", loss_scale, LossScale, "a mixprec.LossScale")
-        self.loss_scale = loss_scale
+        super().__init__(loss_scale)
         self.optimizers: list[LossScaleOptimizer] = []
         self._unscaled: set[int] = set()  # optimizers unscaled since their last step
 
@@ -164,13 +165,6 @@ class LossScaleOptimizerScaler:
         if new_scale is not None:
             check_number("new_scale", new_scale, minimum=0, exclusive=True)
             self.loss_scale.scale.fill_(float(new_scale))
-
-    def get_scale(self) -> float:
-        """The current scale (a host sync)."""
-        return float(self.loss_scale.scale)
-
-    def is_enabled(self) -> bool:
-        return True
 
     def state_dict(self) -> dict[str, Any]:
         """torch's ``scale`` key plus ``"mixprec"``: the loss scale's kind, config and state."""

@@ -42,7 +42,7 @@ import torch
 from mixprec import amp
 from mixprec._checks import check_bool
 from mixprec.amp._levels import check_fp8, check_master_weights
-from mixprec.integrations._common import check_level, level_loss_scale, require
+from mixprec.integrations._common import ScaleReader, check_level, level_loss_scale, require
 from mixprec.optim import LossScaleOptimizer
 
 if TYPE_CHECKING:
@@ -67,33 +67,6 @@ def _lightning_name(level: str, dtype: torch.dtype) -> str:
         return "32-true"
     low = "bf16" if dtype == torch.bfloat16 else "16"
     return f"{low}-true" if level in ("O3", "lean") else f"{low}-mixed"
-
-
-class ScaleReader:
-    """The plugin's shared loss scale, read the way code written for Lightning's
-    ``MixedPrecision`` reads ``trainer.precision_plugin.scaler`` (a ``GradScaler``): to log
-    the scale, watch it fall, or divide scaled gradients by it in ``on_after_backward``.
-    Read-only: the plugin's optimizers update the scale at each step.
-
-    >>> from mixprec import DynamicLossScale
-    >>> ScaleReader(DynamicLossScale(initial_scale=1024.0)).get_scale()
-    1024.0
-    """
-
-    def __init__(self, loss_scale: Any) -> None:
-        self._loss_scale = loss_scale
-
-    def get_scale(self) -> float:
-        """The current scale as a Python float (a host sync)."""
-        return float(self._loss_scale.scale)
-
-    @property
-    def _scale(self) -> torch.Tensor:
-        """The live scale tensor (no sync), as ``GradScaler._scale``."""
-        return self._loss_scale.scale
-
-    def is_enabled(self) -> bool:
-        return True
 
 
 class MixprecPrecision(Precision):
