@@ -120,6 +120,33 @@ def test_an_accelerate_loop_matches_mixprecs_loop_and_resumes_exactly(tmp_path):
     assert accelerator2.scaler._scale is opt2.optimizer.loss_scaler.scale
 
 
+def test_a_step_dropped_after_clipping_unscales_the_next_batch_again():
+    """``zero_grad()`` after ``clip_grad_norm_`` drops the step (a norm spike); the next
+    batch's clipping must see its own unscaled gradients, as mixprec's own loop does."""
+    accelerator, net, opt, loader, _ = prepared()
+    ref = make_net()
+    ref, ref_opt = amp.initialize(ref, torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9),
+                                  "O2", torch.bfloat16, loss_scale=make_loss_scale())  # fmt: skip
+    norms, ref_norms = [], []
+    for step, (x, y) in enumerate(loader):
+        if step == 2:  # the overflowing batch
+            break
+        accelerator.backward(F.mse_loss(net(x), y))
+        norms.append(float(accelerator.clip_grad_norm_(net.parameters(), CLIP)))
+        ref_opt.scale_loss(F.mse_loss(ref(x), y)).backward()
+        ref_opt.unscale_()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)))
+        if step == 0:  # drop the first step
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            continue
+        opt.step()
+        ref_opt.step()
+    assert norms == ref_norms and norms[1] < 100  # true gradients, not scaled by 256
+    for mine, theirs in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+
+
 def test_gradients_from_an_unscaled_backward_are_refused():
     accelerator, net, opt, loader, _ = prepared()
     x, y = next(iter(loader))

@@ -9,6 +9,7 @@ the weights agree bit for bit.
 from __future__ import annotations
 
 import importlib
+import math
 import sys
 
 import pytest
@@ -290,6 +291,52 @@ def test_a_training_step_that_returns_none_with_clipping_skips_the_step(tmp_path
     # Only the even batches stepped (one of them per epoch overflows and is skipped).
     assert int(opt.iterations) + int(opt.skipped_steps) == (batches + 1) // 2
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def grad_norm(parameters) -> float:
+    return float(torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(p.grad.float()) for p in parameters])))  # fmt: skip
+
+
+class DropsFirstBatches(Toy):
+    """Manual optimization that clips each batch and drops the first of every epoch, as
+    a loop that skips a norm spike does; it records the clipped norms."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        self.manual_backward(F.mse_loss(self(x), y))
+        self.clip_gradients(opt, gradient_clip_val=1e9, gradient_clip_algorithm="norm")
+        self.norms.append(grad_norm(self.parameters()))  # the masters' (shown in the model)
+        if batch_idx > 0:
+            opt.step()
+        opt.zero_grad()  # after batch 0: the step is dropped
+        return None
+
+
+def test_a_dropped_manual_step_leaves_the_next_batch_to_unscale_its_own(tmp_path):
+    module = DropsFirstBatches()
+    fit(module, tmp_path)
+    net = make_net()
+    sgd = torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9)
+    net, opt = amp.initialize(net, sgd, "O2", torch.bfloat16, loss_scale=make_loss_scale())
+    norms = []
+    for _ in range(EPOCHS):
+        for index, (x, y) in enumerate(make_loader()):
+            opt.scale_loss(F.mse_loss(net(x), y)).backward()
+            opt.unscale_()
+            norms.append(grad_norm(net.parameters()))
+            if index > 0:
+                opt.step()
+            opt.zero_grad()
+    assert module.norms[:2] == norms[:2] and module.norms[1] < 100  # true gradients
+    assert [math.isfinite(n) for n in module.norms] == [math.isfinite(n) for n in norms]
+    for mine, theirs in zip(module.net.parameters(), net.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
 
 
 class LogsTheScale(Toy):

@@ -81,7 +81,6 @@ class LossScaleOptimizerScaler(ScaleReader):
         check_instance("loss_scale", loss_scale, LossScale, "a mixprec.LossScale")
         super().__init__(loss_scale)
         self.optimizers: list[LossScaleOptimizer] = []
-        self._unscaled: set[int] = set()  # optimizers unscaled since their last step
 
     def add(self, optimizer: LossScaleOptimizer) -> None:
         """Let the scaler drive ``optimizer`` (which must share its loss scale)."""
@@ -126,12 +125,11 @@ class LossScaleOptimizerScaler(ScaleReader):
     def unscale_(self, optimizer: Any) -> None:
         """Divide ``optimizer``'s gradients by the scale in place (once per step)."""
         opt = self._own(optimizer)
-        if id(opt) in self._unscaled:
+        if opt.unscaled:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since its step"
             )
         opt.unscale_()
-        self._unscaled.add(id(opt))
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """``Accelerator.unscale_gradients``: unscale ``optimizer`` (default: all) unless done."""
@@ -141,7 +139,7 @@ class LossScaleOptimizerScaler(ScaleReader):
             given = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
             targets = [self._own(o) for o in given]
         for opt in targets:
-            if id(opt) not in self._unscaled:
+            if not opt.unscaled:
                 self.unscale_(opt)
 
     def step(self, optimizer: Any, closure: Any = None, **kwargs: Any) -> Any:
@@ -150,9 +148,8 @@ class LossScaleOptimizerScaler(ScaleReader):
         opt = self._own(optimizer)
         if closure is not None:
             raise RuntimeError("a closure cannot be used with loss scaling: its loss is not scaled")
-        if id(opt) not in self._unscaled:
+        if not opt.unscaled:
             self.unscale_(opt)
-        self._unscaled.discard(id(opt))
         grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
         one = torch.ones((), dtype=torch.float32, device=self.loss_scale.device)
         if unscale_and_check_(grads, one).item():

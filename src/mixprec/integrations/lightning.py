@@ -127,7 +127,6 @@ class MixprecPrecision(Precision):
         self.precision = _lightning_name(self.level, self.dtype)  # type: ignore[assignment]
         self._converted: weakref.WeakSet = weakref.WeakSet()
         self._optimizers: list[LossScaleOptimizer] = []
-        self._unscaled: set[int] = set()  # optimizers unscaled since their last step
         self._skipped_backward = False  # training_step returned None: nothing to unscale
 
     @property
@@ -211,7 +210,9 @@ class MixprecPrecision(Precision):
             for opt in optimizers
         ]
         self._optimizers = [o for o in wrapped if isinstance(o, LossScaleOptimizer)]
-        self._unscaled.clear()
+        for opt in self._optimizers:
+            if opt.unscaled:  # a run that stopped between unscaling and its step
+                opt.zero_grad()  # drops that step: the next one unscales its own
         return model, wrapped, lr_schedulers
 
     def _own(self, optimizer: Any) -> LossScaleOptimizer | None:
@@ -221,9 +222,8 @@ class MixprecPrecision(Precision):
         return next((o for o in self._optimizers if o is optimizer), None)
 
     def _unscale_once(self, opt: LossScaleOptimizer) -> None:
-        if id(opt) not in self._unscaled:
+        if not opt.unscaled:
             opt.unscale_()
-            self._unscaled.add(id(opt))
 
     # -- one training step ---------------------------------------------------------------
 
@@ -310,10 +310,7 @@ class MixprecPrecision(Precision):
             self._skipped_backward = False
         if no_backward:
             return closure_result
-        try:
-            output = opt.step(**kwargs)
-        finally:
-            self._unscaled.discard(id(opt))
+        output = opt.step(**kwargs)
         if self.log_metrics:
             self._log(model, opt)
         return output

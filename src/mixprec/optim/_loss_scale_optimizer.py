@@ -28,6 +28,7 @@ Loading checks everything before it changes anything. A state dict with only
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -190,6 +191,18 @@ class OptimizerWrapper(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._inner!r})"
+
+
+@dataclasses.dataclass
+class _Pending:
+    """What one step's ``scale_loss`` and ``unscale_`` leave for its ``step``. One object,
+    changed in place, not attributes set on the optimizer: a proxy that forwards
+    attribute reads to the optimizer and runs its methods with itself as ``self``
+    (Lightning's ``LightningOptimizer``, on whose ``zero_grad()`` manual loops call) then
+    changes this optimizer's state, where an assignment would set the proxy's own."""
+
+    scale_used: torch.Tensor | None = None  # the scale scale_loss multiplied by
+    unscaled_found_inf: torch.Tensor | None = None  # set by unscale_()
 
 
 class StepCounters:
@@ -456,8 +469,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         self.skip_nonfinite = skip_nonfinite
         self.gradient_accumulation_steps = accumulation
         self.process_group = process_group
-        self._scale_used: torch.Tensor | None = None  # the scale scale_loss multiplied by
-        self._unscaled_found_inf: torch.Tensor | None = None  # set by unscale_()
+        self._pending = _Pending()  # what scale_loss and unscale_ leave for the step
         self._held_grads: dict[int, torch.Tensor] = {}  # a no_sync() window's gradients
         self._master = build_master(inner_optimizer, master_weights)
         self._accumulator = GradientAccumulator(accumulation) if accumulation else None
@@ -501,6 +513,13 @@ class LossScaleOptimizer(OptimizerWrapper):
         return self._counters.last_skipped.clone()
 
     @property
+    def unscaled(self) -> bool:
+        """Whether :meth:`unscale_` ran since the last :meth:`step` (or the dropped step
+        of :meth:`zero_grad`): the gradients are then the true ones, and a second
+        ``unscale_()`` is an error. Trainer integrations unscale once by it."""
+        return self._pending.unscaled_found_inf is not None
+
+    @property
     def use_ema(self) -> bool:
         return self._ema is not None
 
@@ -518,7 +537,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         shared with an optimizer that steps (and backs off) first stays correct. No sync.
         """
         scaled = self.loss_scaler.scale_loss(loss, self._factor())
-        self._scale_used = self.loss_scaler.scale.detach().clone()
+        self._pending.scale_used = self.loss_scaler.scale.detach().clone()
         return scaled
 
     def _stepped_params(self) -> list[torch.Tensor]:
@@ -542,14 +561,14 @@ class LossScaleOptimizer(OptimizerWrapper):
         the step gives the parameters their low-precision storage back, with the
         unscaled (clipped) gradients in ``.grad``. Once per step.
         """
-        if self._unscaled_found_inf is not None:
+        if self._pending.unscaled_found_inf is not None:
             raise RuntimeError(
                 "unscale_() has already been called since the last step(); call it once per step"
             )
-        self._unscaled_found_inf = self._unscale(self._stepped_params(), False)
+        self._pending.unscaled_found_inf = self._unscale(self._stepped_params(), False)
         if isinstance(self._master, MasterWeights):
             self._master.show_masters_in_model()
-        return self._unscaled_found_inf
+        return self._pending.unscaled_found_inf
 
     def _unscale(
         self, params: list[torch.Tensor], unscaled: bool, fused: bool = False
@@ -565,7 +584,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         if unscaled:  # already divided by the scale: check only
             one = torch.ones((), dtype=torch.float32, device=self.loss_scaler.device)
             return unscale_and_check_(grads, one)
-        used, self._scale_used = self._scale_used, None
+        used, self._pending.scale_used = self._pending.scale_used, None
         if (
             isinstance(self._master, MasterWeights)
             and self.loss_scaler.fixed_at_one
@@ -580,7 +599,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         self, params: list[torch.Tensor], unscaled: bool = False, fused: bool = False
     ) -> torch.Tensor | None:
         """Unscale and check this step's gradients; ``None`` if the window is not full."""
-        found_inf, self._unscaled_found_inf = self._unscaled_found_inf, None
+        found_inf, self._pending.unscaled_found_inf = self._pending.unscaled_found_inf, None
         if found_inf is None:
             found_inf = self._unscale(params, unscaled, fused)
         elif isinstance(self._master, MasterWeights):  # unscale_() showed the masters
@@ -599,7 +618,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             not isinstance(master, (MasterWeights, LeanUpdates))
             or unscaled
             or step_kwargs
-            or self._unscaled_found_inf is not None
+            or self._pending.unscaled_found_inf is not None
             or self._accumulator is not None
             or (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None)
             or not (self.loss_scaler.fixed_at_one and self._factor() == 1.0)
@@ -691,7 +710,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         if self._checked_in_step(fused):  # what _unscale does, but the check
             if not self.loss_scaler.take_scaled(self):
                 refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
-            self._scale_used = None  # (1, as the scale is fixed at one)
+            self._pending.scale_used = None  # (1, as the scale is fixed at one)
             found_inf = None
         else:
             found_inf = self._prepare(params, unscaled, fused is not None)
@@ -726,8 +745,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         after ``unscale_()`` does (an overflow backs it off, so a loop that drops every
         non-finite step does not overflow forever); the step counters do not count it.
         Under data parallelism every rank must drop the step (its verdict is agreed)."""
-        if self._unscaled_found_inf is not None:
-            found_inf, self._unscaled_found_inf = self._unscaled_found_inf, None
+        if self._pending.unscaled_found_inf is not None:
+            found_inf, self._pending.unscaled_found_inf = self._pending.unscaled_found_inf, None
             self.loss_scaler.update(found_inf=agree_on_found_inf(found_inf, self.process_group))
         if self._master is not None:
             self._master.zero_grad(set_to_none)
@@ -897,7 +916,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                     _check_same_layout(part.state_dict(), own[key], f"state_dict['mixprec'][{key!r}]")
             StepCounters.check_state(own["counters"])
         self._inner.load_state_dict(inner)
-        self._held_grads = {}  # a loaded state starts its own window
+        self._held_grads.clear()  # a loaded state starts its own window
         if own is None:
             return
         restore_loss_scale(self.loss_scaler, own["loss_scale"])
