@@ -74,8 +74,7 @@ def test_outputs_and_plots_hold_the_data(tmp_path):
 
 def test_loss_scale_plot_marks_skipped_steps(tmp_path):
     """float16 with a huge static scale overflows: every step is skipped and marked, and
-    the run, which learned nothing, exits 3 after saving (a failed run).
-    (O2: O3 in float16 with AdamW's eps=1e-8 is refused, see test_divergence.py.)"""
+    the run, which learned nothing, exits 3 after saving (a failed run)."""
     out = tmp_path / "run"
     assert (
         main(

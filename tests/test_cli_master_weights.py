@@ -151,3 +151,25 @@ def test_compare_refuses_a_bad_entry_before_any_trains(levels, more, start, tmp_
     line = one_line(capsys)
     assert line.startswith(f"mixprec: error: {start}"), line
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "options, eps",
+    [
+        (["--level", "O3"], 1e-4),
+        (["--level", "lean"], 1e-4),
+        (["--level", "O2", "--master-weights", "none"], 1e-4),
+        (["--level", "O2"], 1e-8),  # float32 masters: float32 state
+    ],
+    ids=["O3", "lean", "O2-none", "O2"],
+)
+def test_float16_optimizer_state_gets_an_eps_it_can_hold(options, eps, tmp_path, capsys):
+    """The command has no eps option, and AdamW's default 1e-8 rounds to 0 in float16
+    state, which amp.initialize refuses: levels that keep the state in float16 train
+    with 1e-4, and say so."""
+    tiny = ["--model", "mlp", "--batch-size", "256", "--dtype", "float16", "--epochs", "1"]
+    assert main(["train", *options, *tiny, *FAST, "--out", str(tmp_path / "run")]) == 0
+    note = "note: AdamW eps 0.0001, not 1e-08"
+    assert (note in capsys.readouterr().out) == (eps == 1e-4)
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "epoch0001.pt", weights_only=False)
+    assert [group["eps"] for group in saved["optimizer"]["param_groups"]] == [eps]

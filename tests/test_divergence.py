@@ -214,16 +214,6 @@ def test_combinations_that_keep_the_weights_finite_are_accepted(level, dtype, ma
     assert int(opt.iterations) == 3 and all(torch.isfinite(p).all() for p in net.parameters())
 
 
-def test_the_command_refuses_o3_float16_with_adamw_before_writing(tmp_path, capsys):
-    out = tmp_path / "run"
-    argv = ["train", "--level", "O3", "--dtype", "float16", "--model", "mlp", "--out", str(out)]
-    argv += ["--device", "cpu"]
-    assert main(argv) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "eps=1e-08" in lines[0] and "O2" in lines[0], lines
-    assert not out.exists()
-
-
 # -- the command: exit 3 with one line, after saving what it has -------------------------
 
 

@@ -372,9 +372,9 @@ def initialize(
                 "(all are outside the model or in float32 layers); build the optimizer from "
                 "model.parameters()"
             )
-    # O3, and O2 without master weights, step float16 parameters: float16 optimizer state.
-    if optimizer is not None and dtype == torch.float16 and (level == "O3" or not masters):
-        _check_optimizer_eps(optimizer, low_params(model, plan), "lean" if lean else level)
+    named = "lean" if lean else level
+    if optimizer is not None and float16_optimizer_state(named, dtype, masters):
+        _check_optimizer_eps(optimizer, low_params(model, plan), named)
     if fp8_recipe:
         from mixprec.float8 import convert_to_float8  # float8 loads only when asked for
 
@@ -455,6 +455,20 @@ def level_master_weights(level: str) -> MasterWeights:
     if level == "O2":
         return "fp32"
     return "kahan" if level == "lean" else False
+
+
+def float16_optimizer_state(level: str, dtype: torch.dtype, masters: Any) -> bool:
+    """Whether ``level`` in ``dtype`` with master-weight mode ``masters`` (as
+    :func:`check_master_weights` returns it) has the optimizer step float16 parameters,
+    so that its state (Adam's moments) is float16 too: O3 and lean, and O2 without
+    master weights. Adam's default ``eps=1e-8`` is below float16's range there.
+
+    >>> float16_optimizer_state("O3", torch.float16, False), float16_optimizer_state("O2", torch.float16, "fp32")
+    (True, False)
+    """
+    if dtype != torch.float16 or level not in ("O2", "O3", "lean"):
+        return False
+    return level != "O2" or not masters
 
 
 def check_master_weights(value: MasterWeights | None, level: Level, dtype: torch.dtype) -> MasterWeights:

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from mixprec.amp._levels import check_master_weights, choose_auto, cpu_has_fast
+from mixprec.amp._levels import (
+    check_master_weights,
+    choose_auto,
+    cpu_has_fast,
+    float16_optimizer_state,
+)
 from mixprec.cli._args import UsageError, fill_defaults
 from mixprec.cli._run_folder import (
     KEEP_LAST,
@@ -197,6 +202,25 @@ def check_master_weights_arg(args: argparse.Namespace, level: str, where: str) -
         raise UsageError(f"{where}: {err}") from None
 
 
+#: AdamW's ``eps`` where a level keeps its state in float16: the default, 1e-8, is below
+#: float16's smallest normal number (6.1e-5), and ``amp.initialize`` refuses it there.
+FLOAT16_STATE_EPS = 1e-4
+
+
+def _adam_eps(args: argparse.Namespace, level: str, device: torch.device) -> float:
+    """AdamW's default ``eps``, or :data:`FLOAT16_STATE_EPS` where ``level`` steps
+    float16 parameters without float32 masters (O3 and lean in float16, O2 with
+    ``--master-weights none``): the command has no ``eps`` option to pass."""
+    if level == "auto":
+        level, dtype, _ = choose_auto(device)
+    else:
+        dtype = resolve_dtype(args.dtype, device)
+    if level not in ("O2", "O3", "lean"):
+        return 1e-8
+    masters = check_master_weights(master_weights_value(args), cast("Level", level), dtype)
+    return FLOAT16_STATE_EPS if float16_optimizer_state(level, dtype, masters) else 1e-8
+
+
 def build_run(args: argparse.Namespace, level: str):
     """Seeded data, model, Model wrapper and LR schedule for one configuration.
 
@@ -211,10 +235,11 @@ def build_run(args: argparse.Namespace, level: str):
     network = build_model(args.model, classes, shape)
     if getattr(args, "fp8", None):
         args.float8_report = _to_float8(network, args)
+    eps = _adam_eps(args, level, device)
     optimizer: torch.optim.Optimizer = (
-        AdamW8bit(network.parameters(), lr=args.lr)
+        AdamW8bit(network.parameters(), lr=args.lr, eps=eps)
         if args.optimizer == "adamw8bit"
-        else torch.optim.AdamW(network.parameters(), lr=args.lr)
+        else torch.optim.AdamW(network.parameters(), lr=args.lr, eps=eps)
     )
     steps = args.epochs * len(train)
     schedule = LRScheduler(
@@ -534,6 +559,9 @@ def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -
     )
     for note in _hardware_notes(model):
         print(note)
+    if model.optimizer.param_groups[0].get("eps") == FLOAT16_STATE_EPS:
+        print(f"note: AdamW eps {FLOAT16_STATE_EPS:g}, not 1e-08: level {model.amp_level} keeps "
+              "AdamW's state in float16, where 1e-08 rounds to 0")  # fmt: skip
     float8 = None
     if args.fp8:
         report = args.float8_report
