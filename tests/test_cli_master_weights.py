@@ -173,3 +173,18 @@ def test_float16_optimizer_state_gets_an_eps_it_can_hold(options, eps, tmp_path,
     assert (note in capsys.readouterr().out) == (eps == 1e-4)
     saved = torch.load(tmp_path / "run" / "checkpoints" / "epoch0001.pt", weights_only=False)
     assert [group["eps"] for group in saved["optimizer"]["param_groups"]] == [eps]
+
+
+def test_compare_names_the_rows_that_train_with_the_float16_state_eps(tmp_path):
+    """A ``mixprec compare`` row whose level took eps=1e-4 says so, so the table does not
+    credit the level with what the other eps did (each entry trained in this process)."""
+    from mixprec.cli._args import build_parser, fill_defaults
+    from mixprec.cli._compare import _compare_one
+
+    argv = ["compare", "--levels", "O2,O3", "--model", "mlp", "--batch-size", "256",
+            "--dtype", "float16", "--epochs", "1", *FAST, "--out", str(tmp_path)]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    fill_defaults(args)
+    assert [_compare_one(args, entry)["config"] for entry in ("O2", "O3")] == [
+        "O2 float16", "O3 float16 eps-0.0001"]  # fmt: skip
+

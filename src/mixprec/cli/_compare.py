@@ -52,6 +52,7 @@ import torch
 from mixprec.cli._args import MASTER_WEIGHTS, UsageError, fill_defaults
 from mixprec.cli._train import (
     DIVERGED,
+    FLOAT16_STATE_EPS,
     _to_float8,
     _write_json,
     build_run,
@@ -145,6 +146,8 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
         config += f" masters-{args.master_weights}"
     if args.optimizer != "adamw":
         config += f" {args.optimizer}"
+    if model.optimizer.param_groups[0].get("eps") == FLOAT16_STATE_EPS:  # float16 state
+        config += f" eps-{FLOAT16_STATE_EPS:g}"
     if args.compile:
         config += " compiled"
     return {
