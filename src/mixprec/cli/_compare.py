@@ -146,7 +146,7 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
         config += f" masters-{args.master_weights}"
     if args.optimizer != "adamw":
         config += f" {args.optimizer}"
-    if model.optimizer.param_groups[0].get("eps") == FLOAT16_STATE_EPS:  # float16 state
+    if args.adam_eps == FLOAT16_STATE_EPS:  # the level keeps AdamW's state in float16
         config += f" eps-{FLOAT16_STATE_EPS:g}"
     if args.compile:
         config += " compiled"

@@ -235,7 +235,7 @@ def build_run(args: argparse.Namespace, level: str):
     network = build_model(args.model, classes, shape)
     if getattr(args, "fp8", None):
         args.float8_report = _to_float8(network, args)
-    eps = _adam_eps(args, level, device)
+    eps = args.adam_eps = _adam_eps(args, level, device)  # (the header notes it)
     optimizer: torch.optim.Optimizer = (
         AdamW8bit(network.parameters(), lr=args.lr, eps=eps)
         if args.optimizer == "adamw8bit"
@@ -559,7 +559,7 @@ def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -
     )
     for note in _hardware_notes(model):
         print(note)
-    if model.optimizer.param_groups[0].get("eps") == FLOAT16_STATE_EPS:
+    if args.adam_eps == FLOAT16_STATE_EPS:
         print(f"note: AdamW eps {FLOAT16_STATE_EPS:g}, not 1e-08: level {model.amp_level} keeps "
               "AdamW's state in float16, where 1e-08 rounds to 0")  # fmt: skip
     float8 = None
