@@ -191,10 +191,10 @@ def check_master_weights_arg(args: argparse.Namespace, level: str, where: str) -
         return
     device = resolve_device(args.device)  # a bad --device is its own error, not ours
     if level == "auto":
-        level, dtype, _ = choose_auto(device)
+        level, dtype = _concrete(args, level, device)
         where += f" with --level auto ({level}, {_name(dtype)} on this machine)"
     else:
-        dtype = resolve_dtype(args.dtype, device)
+        dtype = _concrete(args, level, device)[1]
     try:
         check_master_weights_option(value, level)  # the rewrite keeps float32 parameters
         check_master_weights(value, cast("Level", level), dtype)
@@ -207,14 +207,21 @@ def check_master_weights_arg(args: argparse.Namespace, level: str, where: str) -
 FLOAT16_STATE_EPS = 1e-4
 
 
+def _concrete(
+    args: argparse.Namespace, level: str, device: torch.device
+) -> tuple[str, torch.dtype]:
+    """The level and dtype a run trains in: ``auto`` resolved as ``Model`` resolves it."""
+    if level == "auto":
+        level, dtype, _ = choose_auto(device)
+        return level, dtype
+    return level, resolve_dtype(args.dtype, device)
+
+
 def _adam_eps(args: argparse.Namespace, level: str, device: torch.device) -> float:
     """AdamW's default ``eps``, or :data:`FLOAT16_STATE_EPS` where ``level`` steps
     float16 parameters without float32 masters (O3 and lean in float16, O2 with
     ``--master-weights none``): the command has no ``eps`` option to pass."""
-    if level == "auto":
-        level, dtype, _ = choose_auto(device)
-    else:
-        dtype = resolve_dtype(args.dtype, device)
+    level, dtype = _concrete(args, level, device)
     if level not in ("O2", "O3", "lean"):
         return 1e-8
     masters = check_master_weights(master_weights_value(args), cast("Level", level), dtype)
@@ -245,7 +252,7 @@ def build_run(args: argparse.Namespace, level: str):
     schedule = LRScheduler(
         torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps=steps)
     )
-    concrete = choose_auto(device)[0] if level == "auto" else level
+    concrete = _concrete(args, level, device)[0]
     model = (DistributedModel if is_distributed() else Model)(
         network,
         torch.nn.CrossEntropyLoss(),

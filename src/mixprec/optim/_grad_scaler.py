@@ -234,9 +234,7 @@ class GradScaler:
         preset = getattr(optimizer, "grad_scale", None) if fused else None
         if fused and state["stage"] is _Stage.READY:
             # torch's fused path: check without unscaling; the kernel unscales by grad_scale.
-            self._check_scaled()
-            one = torch.ones((), dtype=torch.float32, device=self.loss_scale.device)
-            state["found_inf"] = unscale_and_check_(self._grads(optimizer), one)
+            self._check_inf_per_device(optimizer)
             scale = self.loss_scale.scale
             grad_scale = scale if preset is None else scale * preset
         else:
