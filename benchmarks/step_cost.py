@@ -36,13 +36,14 @@ or not) and optimizer (``step()``, the scaler's ``update()``, ``zero_grad()``).
   may change dtype) runs one kernel per tensor;
 - ``_local_scalar_dense`` (``.item()``): 1 (a device-to-host copy that also syncs).
 - the compiled master-weight steps (``"lean fused"``, ``"O2 fused"`` and ``"split8 fused"`` rows:
-  :func:`mixprec.optim._fused_lean.lean_adamw_fused_`, the default with
+  :func:`mixprec.kernels.compiled.lean_adamw_fused_`, the default with
   ``AdamW(fused=True)`` on a GPU) are priced as the kernels inductor generates for
   them (:func:`fused_lean_cost`): one loop per
   parameter, read and written once, put side by side in launches of up to
   :data:`COMBO_NODES` loops (the ``combo_kernel_max_num_nodes`` it asks inductor
   for). Its eager reference runs for the count, unpriced (and its temporaries are not
-  in the peak).
+  in the peak): under a ``TorchDispatchMode`` the step runs its eager math, as
+  ``torch.compile`` itself would.
 
 **Bytes moved** by an op: the storage bytes of its tensor inputs (read) plus its tensor
 outputs (written; an in-place op's ``self`` counts both ways, foreach and fused
@@ -101,7 +102,6 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -117,12 +117,10 @@ from benchmarks._common import (
     paired_ratio,
 )
 from benchmarks.recipes import build_recipe, make_optimizer
-from mixprec import numerics
-from mixprec.optim import _fused_lean, _lean, _masters
-from mixprec.optim import _loss_scale_optimizer as _lso
+from mixprec.kernels import compiled as compiled_steps
+from mixprec.kernels.compiled import register_watch_hook
 from mixprec.optim._flat_params import is_dense
-from mixprec.optim._lean import LeanUpdates
-from mixprec.optim._masters import MasterWeights
+from mixprec.optim.masters import LeanUpdates, MasterWeights
 from mixprec.tools._memory import live_plain_tensors, live_tensor_bytes
 
 __all__ = [
@@ -466,12 +464,12 @@ class StepCounter(TorchDispatchMode):
 
 
 #: Loops per launch of the compiled lean step's combo kernels, as it asks inductor.
-COMBO_NODES = _fused_lean.COMBO_NODES
+COMBO_NODES = compiled_steps.COMBO_NODES
 
 
 def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     """The price of one call of the compiled lean step's elementwise math
-    (:func:`mixprec.optim._fused_lean._lean_adamw_math_`, positional ``args``): every
+    (:func:`mixprec.kernels.adamw.masters_adamw_math_`, positional ``args``): every
     tensor it is given read once, the weights, compensations or corrections and
     moments written once, in one loop per parameter and :data:`COMBO_NODES` loops per
     launch. Float32 masters' model weights (``"fp32"``'s extras) are written only;
@@ -723,55 +721,49 @@ def architecture_workloads() -> list[Workload]:
 # ----------------------------------------------------------------------------- measuring
 
 
+class _Watched(TorchDispatchMode):
+    """Runs every op as it is: the warm-up steps run under it, as the counted step runs
+    under :class:`StepCounter`, so they step as the counted one does."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:  # fmt: skip
+        return func(*args, **(kwargs or {}))
+
+
 def count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int = 2,
                limits: str = "cuda12", baseline: int = 0) -> dict[str, Any]:  # fmt: skip
     """Take ``warmup`` steps, then count one; return the phase tallies and bytes/param.
-    Counting needs the ops, not the speed: the compiled lean step's eager reference
-    runs in their place (it compiles nothing)."""
-    with mock.patch.object(_fused_lean, "_compiled", _fused_lean._eager_math):
-        return _count_step(prepared, x, y, warmup, limits, baseline)
 
-
-def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: int,
-                limits: str, baseline: int) -> dict[str, Any]:  # fmt: skip
-    for _ in range(warmup):
-        prepared.train_step(x, y)
+    Every step runs under a ``TorchDispatchMode`` (the warm-up steps under one that
+    only runs the ops, the counted one under :class:`StepCounter`), so the CPU takes
+    the ways a GPU takes to the same bits (the finite check, rounding noise, the fused
+    steps' check and step counts: :func:`mixprec.numerics.cpu_shortcuts`), and the
+    compiled master-weight steps run their eager math: counting needs the ops, not
+    the speed, and nothing compiles."""
+    with _Watched():
+        for _ in range(warmup):
+            prepared.train_step(x, y)
     n_params = sum(p.numel() for p in prepared.model.parameters())
     counter = StepCounter(limits)
-    # The finite check and rounding noise a GPU runs (numerics.CPU_NORM_PREFILTER,
-    # _masters.CPU_FLAT_CHECK, _lean.CPU_MASKED_NOISE, the fused steps' CPU_CHECK_IN_STEP
-    # and CPU_STEPS_IN_LOOP), not the CPU's own.
-    prefilter, numerics.CPU_NORM_PREFILTER = numerics.CPU_NORM_PREFILTER, False
-    masked_noise, _lean.CPU_MASKED_NOISE = _lean.CPU_MASKED_NOISE, False
-    flat_check, _masters.CPU_FLAT_CHECK = _masters.CPU_FLAT_CHECK, False
-    in_step, _lso.CPU_CHECK_IN_STEP = _lso.CPU_CHECK_IN_STEP, False
-    steps_in_loop, _fused_lean.CPU_STEPS_IN_LOOP = _fused_lean.CPU_STEPS_IN_LOOP, False
-    try:
-        with counter:
-            counter.phase = "forward"
-            loss = prepared.forward(x, y)
-            counter.phase = "backward"
-            prepared.backward(loss)
-            counter.phase = "optimizer"
-            grads = [p.grad for p in prepared.model.parameters() if p.grad is not None]
-            grads += [
-                p.grad for g in prepared.inner_optimizer().param_groups for p in g["params"]
-                if p.grad is not None
-            ]  # fmt: skip
-            counter.memory = _LiveStorages()
-            counter.memory.start(grads)
-            del grads
-            with _priced_as_compiled(counter):
-                prepared.step()
-            peak = counter.memory.peak
-            counter.memory.stop()
-            counter.memory = None
-    finally:
-        numerics.CPU_NORM_PREFILTER = prefilter
-        _lean.CPU_MASKED_NOISE = masked_noise
-        _masters.CPU_FLAT_CHECK = flat_check
-        _lso.CPU_CHECK_IN_STEP = in_step
-        _fused_lean.CPU_STEPS_IN_LOOP = steps_in_loop
+    with counter:
+        counter.phase = "forward"
+        loss = prepared.forward(x, y)
+        counter.phase = "backward"
+        prepared.backward(loss)
+        counter.phase = "optimizer"
+        grads = [p.grad for p in prepared.model.parameters() if p.grad is not None]
+        grads += [
+            p.grad for g in prepared.inner_optimizer().param_groups for p in g["params"]
+            if p.grad is not None
+        ]  # fmt: skip
+        counter.memory = _LiveStorages()
+        counter.memory.start(grads)
+        del grads
+        with _priced_as_compiled(counter):
+            prepared.step()
+        peak = counter.memory.peak
+        counter.memory.stop()
+        counter.memory = None
     del loss
     at_rest = live_tensor_bytes() - baseline
     phases = {}
@@ -798,26 +790,23 @@ def _count_step(prepared: Prepared, x: torch.Tensor, y: torch.Tensor, warmup: in
 
 @contextlib.contextmanager
 def _priced_as_compiled(counter: StepCounter) -> Iterator[None]:
-    """Price each call of the compiled lean step's math as :func:`fused_lean_cost`."""
-    eager_math = _fused_lean._eager_math
+    """Price each call of the compiled lean step's math as :func:`fused_lean_cost`, through
+    the library's hook around the watched step bodies (:func:`register_watch_hook`)."""
 
-    def priced_math(mode: str) -> Callable[..., None]:
-        math = eager_math(mode)
+    @contextlib.contextmanager
+    def priced(mode: str, args: tuple) -> Iterator[None]:
+        counter.priced_apart = True
+        try:
+            yield
+        finally:
+            counter.priced_apart = False
+        counter.tallies[counter.phase].add(f"{mode}_adamw (compiled)", fused_lean_cost((mode, *args)))
 
-        def priced(*args: Any) -> Any:
-            counter.priced_apart = True
-            try:
-                result = math(*args)
-            finally:
-                counter.priced_apart = False
-            cost = fused_lean_cost(args)
-            counter.tallies[counter.phase].add(f"{args[0]}_adamw (compiled)", cost)
-            return result
-
-        return priced
-
-    with mock.patch.object(_fused_lean, "_eager_math", priced_math):
+    handle = register_watch_hook(priced)
+    try:
         yield
+    finally:
+        handle.remove()
 
 
 def count_all(workload: Workload, variants: Sequence[Variant], warmup: int, limits: str,

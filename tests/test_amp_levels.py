@@ -3,6 +3,7 @@ optimizer steps, loss-scale defaults, custom lists, transformers, and rejected c
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from unittest import mock
 
@@ -13,12 +14,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
-from mixprec.amp import _levels as amp_auto
-from mixprec.amp import _levels as amp_levels
-from mixprec.amp._casting import claim_model
+from mixprec.amp import _auto as amp_auto
+from mixprec.amp._claim import claim_model
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.numerics import any_nonfinite
-from mixprec.optim import LossScaleOptimizer, _masters
+from mixprec.optim import LossScaleOptimizer
 
 F32 = torch.float32
 LOW = [torch.bfloat16, torch.float16]
@@ -178,7 +178,7 @@ class _Casts(TorchDispatchMode):
 def _conv_bn_step(low, pass_through):
     """One O2 forward and backward of a conv-BatchNorm-ReLU net; the BatchNorm takes its
     low input as it comes or (``pass_through=False``) cast up and back as before."""
-    from mixprec.amp._casting import ModuleAmp
+    from mixprec.amp._cast_hooks import ModuleAmp
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
@@ -209,7 +209,7 @@ def test_o2_batchnorm_takes_low_input_without_the_casts_and_computes_the_same(lo
 
 def test_compiled_o2_batchnorm_takes_low_input_too():
     """The traced hooks decide as the eager ones: 2 casts fewer in the captured graph."""
-    from mixprec.amp._casting import ModuleAmp
+    from mixprec.amp._cast_hooks import ModuleAmp
 
     def graph_casts(pass_through):
         torch._dynamo.reset()
@@ -281,12 +281,20 @@ def test_default_loss_scale_per_level(level, low, kind):
     assert opt.loss_scale.dtype == F32 and opt.loss_scale.dim() == 0
 
 
+class _Watched(TorchDispatchMode):
+    """Runs each op as it is: under any dispatch mode a CPU takes a GPU's ways
+    (:func:`mixprec.numerics.cpu_shortcuts`)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.parametrize("flat", [False, True])
-def test_unscaled_bfloat16_o2_checks_the_model_gradients_and_skips_an_overflow(flat, monkeypatch):
+def test_unscaled_bfloat16_o2_checks_the_model_gradients_and_skips_an_overflow(flat):
     """Without a loss scale the step reads the bfloat16 gradients once (half the bytes of
-    their float32 copies; on a CPU, ``CPU_FLAT_CHECK``, the masters' float32 buffer the
-    copy has just read) and rewrites nothing; an inf or NaN still skips the step."""
-    monkeypatch.setattr(_masters, "CPU_FLAT_CHECK", flat)
+    their float32 copies; on a CPU, ``flat``, the masters' float32 buffer the copy has
+    just read: :func:`~mixprec.numerics.cpu_shortcuts`, off under a dispatch mode, where
+    the GPU's way runs) and rewrites nothing; an inf or NaN still skips the step."""
     model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
     model, opt = amp.initialize(model, torch.optim.AdamW(model.parameters(), lr=0.1), "O2",
                                 torch.bfloat16)  # fmt: skip
@@ -304,7 +312,8 @@ def test_unscaled_bfloat16_o2_checks_the_model_gradients_and_skips_an_overflow(f
         before = [p.detach().clone() for p in model.parameters()]
         grads = [p.grad.detach().clone() for p in model.parameters()]
         checked.clear()
-        with mock.patch("mixprec.loss_scale.any_nonfinite", check):
+        watched = contextlib.nullcontext() if flat else _Watched()
+        with mock.patch("mixprec.loss_scale.any_nonfinite", check), watched:
             opt.step()
         low = [torch.float32] if flat else [torch.bfloat16, torch.bfloat16]  # (12 + 3 in one)
         assert checked == [low + [torch.float32, torch.float32]]
@@ -363,7 +372,7 @@ def test_auto_is_o1_bf16_on_a_bf16_cpu_and_o2_by_capability_on_cuda(monkeypatch)
     assert not opt.master_weights
     monkeypatch.setattr(amp_auto, "_model_device", lambda m: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert amp_levels.resolve_level(nn.Linear(1, 1), "auto", torch.float16) == ("O2", torch.float16)
+    assert amp_auto.resolve_level(nn.Linear(1, 1), "auto", torch.float16) == ("O2", torch.float16)
 
 
 class Recorder(TorchDispatchMode):

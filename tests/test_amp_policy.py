@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
-from mixprec.amp import _casting as cast_hooks
-from mixprec.amp._casting import claim_model, model_api
+from mixprec.amp import _cast_cache, _cast_hooks
+from mixprec.amp._claim import claim_model, model_api
 from mixprec.policy import Policy, policy_scope, set_global_policy
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -158,11 +158,11 @@ def test_an_exception_in_forward_leaves_nothing_behind():
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.ones(1, 2))
     assert "weight" not in model.fc.__dict__
-    assert cast_hooks._region_stack() == [] and cast_hooks._local.autocast == []
+    assert _cast_cache._region_stack() == [] and _cast_cache._local.autocast == []
     assert not torch._C._is_torch_function_mode_enabled()
     assert not torch.is_autocast_enabled("cpu")  # O1's torch.autocast was left
-    assert cast_hooks.get_state(model)._frames == {}
-    assert cast_hooks.get_state(model.fc) is None  # autocast decides inside O1's root
+    assert _cast_hooks.get_state(model)._frames == {}
+    assert _cast_hooks.get_state(model.fc) is None  # autocast decides inside O1's root
 
 
 def test_an_exception_in_forward_leaves_nothing_behind_with_custom_lists():
@@ -172,10 +172,10 @@ def test_an_exception_in_forward_leaves_nothing_behind_with_custom_lists():
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.ones(1, 2))
     assert "weight" not in model.fc.__dict__
-    assert cast_hooks._region_stack() == [] and cast_hooks._local.caches == []
+    assert _cast_cache._region_stack() == [] and _cast_cache._local.caches == []
     assert not torch._C._is_torch_function_mode_enabled()
-    assert cast_hooks.get_state(model)._frames == {}
-    assert cast_hooks.get_state(model.fc)._active == {}
+    assert _cast_hooks.get_state(model)._frames == {}
+    assert _cast_hooks.get_state(model.fc)._active == {}
 
 
 def test_tied_weights_get_one_gradient_through_both_uses():

@@ -13,7 +13,7 @@ from torch import nn
 
 import mixprec.cli._train as cli_train
 from mixprec import Model, amp
-from mixprec.amp import _levels as levels
+from mixprec.amp import _auto as levels
 from mixprec.cli import main
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.train.models import MLP

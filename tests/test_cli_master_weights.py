@@ -11,7 +11,7 @@ import torch
 
 from mixprec.cli import main
 from mixprec.cli._args import MASTER_WEIGHTS
-from mixprec.optim._masters import MASTER_WEIGHT_MODES
+from mixprec.optim.masters import MASTER_WEIGHT_MODES
 
 FAST = ["--quiet", "--threads", "1"]
 #: Tiny runs: the MLP, 11 steps an epoch. bfloat16 named, so a CUDA machine (float16 by

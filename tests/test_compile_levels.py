@@ -99,7 +99,7 @@ def test_compiling_the_module_itself_equals_eager(level):
     the forward starts with a listed torch function (``torch.relu``), which must see
     the mode's lists. Three calls (the third one reuses the graphs), then eager again:
     no call state may leak out of a compiled call."""
-    from mixprec.amp._casting import _local
+    from mixprec.amp._cast_cache import _local
 
     eager = make(level, "eval")
     compiled_model = copy.deepcopy(eager)

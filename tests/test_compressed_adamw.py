@@ -1,4 +1,5 @@
-"""AdamW8bit: AdamW with 8-bit moments (mixprec.optim._compressed_adamw)."""
+"""AdamW8bit: AdamW with 8-bit moments (mixprec.optim.AdamW8bit; its codecs are
+mixprec.kernels.moments8's)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.optim import AdamW8bit, LossScaleOptimizer
-from mixprec.optim._compressed_adamw import (
+from mixprec.kernels import (
     dequantize_first_moment,
     dequantize_second_moment,
     noise_from_bits,
     quantize_first_moment,
     quantize_second_moment,
 )
+from mixprec.optim import AdamW8bit, LossScaleOptimizer
 
 
 def test_first_moment_codes_within_their_resolution():
@@ -522,10 +523,10 @@ def test_fused_is_refused_where_torch_compile_is_not_supported(monkeypatch):
 def test_fused_on_the_device_matches_eager(device):
     """On CUDA the default (fused=None) compiles; on the CPU fused=True does. Gradients
     and a skipped step's found_inf on the device, as a scaler gives them."""
-    from mixprec.optim._compressed_adamw import _compile_unsupported
+    from mixprec.kernels.compiled import compile_unsupported
 
-    if _compile_unsupported(device):
-        pytest.skip(_compile_unsupported(device))
+    if compile_unsupported(device):
+        pytest.skip(compile_unsupported(device))
     kwargs = {"lr": 1e-2, "weight_decay": 0.1, "block_size": 64}
     params = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(seed=7)]
     ref = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(seed=7)]

@@ -1,4 +1,4 @@
-"""The compiled lean kahan step (``mixprec.optim._fused_lean``) and its use by
+"""The compiled lean kahan step (``mixprec.kernels.compiled``) and its use by
 ``LeanUpdates``: the eager reference against float64 AdamW, compiled against eager,
 the skip, checkpoints shared with the eager lean step, and when it is (not) taken."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import re
 import warnings
@@ -15,10 +16,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import LossScaleOptimizer
-from mixprec.optim import AdamW8bit, _fused_lean
-from mixprec.optim._fused_lean import kahan_adamw_, lean_adamw_fused_
-from mixprec.optim._lean import LeanUpdates
-from mixprec.optim._split8 import join8_bits
+from mixprec.kernels import compiled as compiled_steps
+from mixprec.kernels import join8_bits, kahan_adamw_
+from mixprec.kernels.adamw import masters_adamw_math_
+from mixprec.kernels.compiled import lean_adamw_fused_
+from mixprec.optim import AdamW8bit
+from mixprec.optim.masters import LeanUpdates
+from mixprec.optim.masters._fused import fused_adamw_unsupported
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
@@ -50,7 +54,7 @@ def _train(model, lean, opt, data, found_inf=None):
     for x, y in data:
         opt.zero_grad()
         _loss(model, x, y).backward()
-        lean.step(torch.zeros(()) if found_inf is None else found_inf, True, None)
+        lean.eager_step(torch.zeros(()) if found_inf is None else found_inf, True, None)
 
 
 def _lean(model, fused):
@@ -190,14 +194,14 @@ def test_a_skipped_step_changes_nothing_and_a_skipped_first_step_creates_no_stat
     opt.zero_grad()
     _loss(model, x, y).backward()
     model[0].weight.grad[0, 0] = float("nan")
-    assert lean.step(torch.ones(()), True, None) is False  # no host sync
+    assert lean.eager_step(torch.ones(()), True, None) is False  # no host sync
     after = (model.state_dict(), opt.state_dict(), lean.state_dict())
     assert _equal(before, after)
 
     fresh = _model()
     fresh_opt, fresh_lean = _lean(fresh, True)
     _loss(fresh, x, y).backward()
-    assert fresh_lean.step(torch.ones(()), True, None) is True  # the host saw the skip
+    assert fresh_lean.eager_step(torch.ones(()), True, None) is True  # the host saw the skip
     assert not fresh_opt.state
 
 
@@ -213,14 +217,14 @@ def _equal(a, b) -> bool:
 
 def test_a_new_learning_rate_does_not_compile_again(trained):
     model, opt, lean = trained["fused"]
-    compiled = _fused_lean._compiled("kahan")
+    compiled = compiled_steps._compiled("kahan")
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for lr in (2e-3, 5e-4):
         for group in opt.param_groups:
             group["lr"] = lr
         _train(model, lean, opt, trained["data"][:1])
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
-    assert _fused_lean._compiled("kahan") is compiled
+    assert compiled_steps._compiled("kahan") is compiled
 
 
 def test_a_process_stepping_more_models_than_dynamos_recompile_limit_still_steps():
@@ -236,7 +240,7 @@ def test_a_process_stepping_more_models_than_dynamos_recompile_limit_still_steps
             assert float(step) == 1 and bool(w.lt(1).all())
 
 
-def test_under_a_dispatch_mode_the_eager_math_runs_and_the_mode_sees_it(trained):
+def test_under_a_dispatch_mode_the_eager_math_runs_and_the_mode_sees_it(trained, monkeypatch):
     model, opt, lean = trained["fused"]
 
     class Ops(TorchDispatchMode):
@@ -250,9 +254,17 @@ def test_under_a_dispatch_mode_the_eager_math_runs_and_the_mode_sees_it(trained)
     with Ops() as mode:
         _train(model, lean, opt, trained["data"][:1])
     assert "sqrt" in mode.seen
-    # On a CPU the math advances the step counts itself (CPU_STEPS_IN_LOOP): no foreach op.
+    # Under a dispatch mode the CPU takes a GPU's ways (mixprec.numerics.cpu_shortcuts):
+    # the step counts advance apart from the math, in one foreach op ...
     assert [float(state["step"]) for state in opt.state.values()] == [b + 1 for b in before]
-    assert "_foreach_add_" not in mode.seen
+    assert "_foreach_add_" in mode.seen
+    # ... where, unwatched, the CPU's compiled math advances them itself: no foreach op.
+    adds = []
+    real_add = torch._foreach_add_
+    monkeypatch.setattr(torch, "_foreach_add_", lambda *a, **k: adds.append(a) or real_add(*a, **k))
+    _train(model, lean, opt, trained["data"][:1])
+    assert [float(state["step"]) for state in opt.state.values()] == [b + 2 for b in before]
+    assert adds == []
 
 
 def test_a_profiler_sees_the_step_as_one_named_range():
@@ -351,7 +363,7 @@ def test_the_fused_stochastic_rounding_is_unbiased_and_compiles_to_its_eager_bit
         math("stochastic", [w], [seed], [g], [m], [v], [count], [torch.ones(1)], [hyper], found)
         return w
 
-    eager, compiled = step(_fused_lean._lean_adamw_math_), step(_fused_lean._compiled("stochastic"))
+    eager, compiled = step(masters_adamw_math_), step(compiled_steps._compiled("stochastic"))
     up = float((eager.float() - 1).div(ulp).mean())
     assert set((eager.float() - 1).div(ulp).unique().tolist()) == {0.0, 1.0}
     assert abs(up - 0.3) < 0.01  # ~5 standard deviations of the mean over 65536 draws
@@ -397,7 +409,7 @@ def test_a_skipped_fused_stochastic_step_changes_no_weight_or_moment(trained):
     before = copy.deepcopy((model.state_dict(), opt.state_dict()))
     opt.zero_grad()
     _loss(model, *trained["data"][0]).backward()
-    assert lean.step(torch.ones(()), True, None) is False  # skipped on the device
+    assert lean.eager_step(torch.ones(()), True, None) is False  # skipped on the device
     assert _equal(before, (model.state_dict(), opt.state_dict()))
 
 
@@ -459,7 +471,7 @@ def masters_trained(request):
         for x, y in data:
             opt.zero_grad()
             opt.scale_loss(_loss(model, x, y)).backward()
-            taken.append(opt._fused_master(False, None) is not None)
+            taken.append(opt._fuses(False, None))
             if run == "reference":
                 with _Eager():
                     opt.step()
@@ -638,7 +650,7 @@ def test_split_masters_have_no_fused_step():
     model = _model()
     model[1].bfloat16()  # "split" needs every parameter in bfloat16
     opt = _masters_opt(model, True, "split")
-    assert not opt._master.fuses() and opt._fused_master(False, None) is None
+    assert not opt._master.fuses() and not opt._fuses(False, None)
 
 
 def test_fused_split8_8bit_resumes_bit_exactly_and_its_seed_is_checkpointed():
@@ -675,9 +687,8 @@ def test_adamw8bit_steps_fused_only_under_split8_masters():
     o2 = LossScaleOptimizer(inner, loss_scale=None, master_weights="fp32")
     o2._master.fused = True
     assert not o2._master.fuses()
-    assert "split8" in _fused_lean.fused_adamw_unsupported(inner, "fp32")
-    assert _fused_lean.fused_adamw_unsupported(torch.optim.AdamW([torch.ones(1)]),
-                                               "split8-8bit") is not None  # fmt: skip
+    assert "split8" in fused_adamw_unsupported(inner, "fp32")
+    assert fused_adamw_unsupported(torch.optim.AdamW([torch.ones(1)]), "split8-8bit") is not None
     _train_masters(model, opt, _data(1))
     key = opt._master._low[0][1]
     state = opt.inner_optimizer.state[key]
@@ -724,15 +735,18 @@ def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loo
     corrections only), and the bias corrections' float64 powers are computed once per
     parameter, not in every vector of a loop; no loop copies a result out of a buffer
     (the 8-bit step did, when its step counts were written in the graph). A loop runs
-    on two threads only where each gets CPU_MIN_CHUNK elements (kahan: a 4096-element
-    loop on one, where inductor's own threshold would wake the other thread for it)."""
+    on two threads only where each gets ``cpu_min_chunk`` elements (``compile_math``'s
+    default; kahan: a 4096-element loop on one, where inductor's own threshold would
+    wake the other thread for it). The step as a CPU runs it: its counts advanced in
+    the loop (``steps_in_loop``), but for the 8-bit step's."""
     from torch._inductor.utils import run_and_get_code
 
     # (40, 25): a partial 8-bit block. Two threads, whatever this machine has.
     shapes = ((40, 25), (64, 64), (2, 16384)) if mode == "kahan" else ((40, 25),)
     with torch._inductor.config.patch({"fx_graph_cache": False, "cpp.threads": 2}):
         _, (code, *_) = run_and_get_code(
-            _fused_lean.compile_math(mode), mode, *step_arguments(mode, shapes))
+            compiled_steps.compile_math(mode), mode, *step_arguments(mode, shapes),
+            steps_in_loop=mode != "split8-8bit")  # fmt: skip
     allocations = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
     allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in allocations]
     assert all(numel <= 1000 // 256 + 1 for numel in allocated), allocations
@@ -741,7 +755,8 @@ def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loo
     assert "assert_size_stride(" not in code  # dynamo's guards check the inputs' layout
     assert not _copy_loops(code)  # each output written in place, not copied out of a buffer
     parallel, serial = _loop_bounds(code)
-    assert all(n // 2 >= _fused_lean.CPU_MIN_CHUNK for n in parallel), parallel
+    min_chunk = inspect.signature(compiled_steps.compile_math).parameters["cpu_min_chunk"].default
+    assert all(n // 2 >= min_chunk for n in parallel), parallel
     if mode == "kahan":
         assert parallel == [32768] and {1000, 4096} <= set(serial), (parallel, serial)
 

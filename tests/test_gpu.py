@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import LossScaleOptimizer, amp
+from mixprec.kernels import compiled as compiled_steps
 from mixprec.loss_scale import DynamicLossScale
-from mixprec.optim import AdamW8bit, _fused_lean
+from mixprec.optim import AdamW8bit
 from mixprec.rewrite import rewrite
 
 pytestmark = [
@@ -85,7 +86,7 @@ def test_o2_batchnorm_takes_low_input_on_cuda(low, channels_last):
     weights: O2 passes the input through, and trains as the cast-through path did."""
     from unittest import mock
 
-    from mixprec.amp._casting import ModuleAmp
+    from mixprec.amp._cast_hooks import ModuleAmp
 
     def run(pass_through):
         torch.manual_seed(0)
@@ -168,13 +169,13 @@ def test_the_compiled_master_steps_are_priced_right_on_cuda(mode):
     shapes = ((256, 256), 1000)  # a 2-D weight; a partial last 8-bit block
     with torch._inductor.config.patch(fx_graph_cache=False):
         _, codes = run_and_get_code(
-            _fused_lean.compile_math(mode), mode, *step_arguments(mode, shapes, "cuda"))
+            compiled_steps.compile_math(mode), mode, *step_arguments(mode, shapes, "cuda"))
     code = "\n".join(codes)
     buffers = re.findall(r"empty_strided_cuda\(\(([^)]*)\)", code)
     allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in buffers]
     assert all(numel <= (1 << 16) // 256 for numel in allocated), buffers
     launches = re.findall(r"^\s+(\w+)\.run\(", code, re.MULTILINE)
-    assert len(launches) == -(-len(shapes) // _fused_lean.COMBO_NODES), launches
+    assert len(launches) == -(-len(shapes) // compiled_steps.COMBO_NODES), launches
 
 
 @pytest.mark.parametrize("mode", ["kahan", "stochastic", "split8", "fp32", "split8-8bit"])
@@ -191,7 +192,7 @@ def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
             loss = F.cross_entropy(model(x.bfloat16()).float(), y)
             opt.scale_loss(loss).backward()
             if fused is None and mode in ("split8", "fp32", "split8-8bit"):
-                assert opt._fused_master(False, None) is not None
+                assert opt._fuses(False, None)
             elif fused is None:
                 assert opt._master._fuses(None)
             torch.cuda.set_sync_debug_mode("error" if i > 0 and fused is None else "default")

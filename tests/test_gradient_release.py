@@ -130,15 +130,22 @@ def test_bad_factories_and_parameters_are_refused():
 
 
 def test_per_tensor_clipping_and_a_fixed_loss_scale():
-    ref, model = mlp(), mlp()
+    """``clipnorm`` is LossScaleOptimizer's per-tensor rule, ``g * c / max(||g||, c)``."""
+    ref, model, wrapped = mlp(), mlp(), mlp()
     release = GradientRelease(model, lambda ps: torch.optim.SGD(ps, lr=0.1), clipnorm=0.05,
                               loss_scale=64.0)  # fmt: skip
     (loss_of(model, 0) * 64.0).backward()
     release.end_step()
     loss_of(ref, 0).backward()
-    for p, q in zip(ref.parameters(), model.parameters()):
-        grad = p.grad * torch.clamp(0.05 / (p.grad.norm() + 1e-6), max=1.0)
+    opt = LossScaleOptimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1), loss_scale=64.0,
+                             clipnorm=0.05)  # fmt: skip
+    opt.scale_loss(loss_of(wrapped, 0)).backward()
+    opt.step()
+    for p, q, r in zip(ref.parameters(), model.parameters(), wrapped.parameters()):
+        grad = p.grad * 0.05 / torch.clamp(p.grad.norm(), min=0.05)
         torch.testing.assert_close(q.detach(), (p - 0.1 * grad).detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(q.detach(), r.detach(), rtol=1e-6, atol=1e-7)
+    assert any(p.grad.norm() > 0.05 for p in ref.parameters())  # something was clipped
 
 
 def test_state_dict_round_trip_is_bit_exact_and_bad_loads_change_nothing():

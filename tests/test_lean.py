@@ -8,15 +8,17 @@ import re
 import pytest
 import torch
 from real_models import images, resnet, train_steps
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.optim import LossScaleOptimizer
-from mixprec.optim._masters import (
+from mixprec.kernels import (
+    add_rounding_noise_,
     join_bits,
     pack_bits,
     split_bits,
     stochastic_round,
     unpack_bits,
 )
+from mixprec.optim import LossScaleOptimizer
 from mixprec.tools._memory import live_tensor_bytes
 
 MODES = ["kahan", "stochastic"]
@@ -106,18 +108,28 @@ def test_stochastic_round_truncates_the_noisy_values_as_masking_and_converting_d
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("masked", [True, False])
-def test_the_rounding_noise_is_randints_on_either_path(masked, monkeypatch):
-    """The CPU's masked draw (``CPU_MASKED_NOISE``) and the one-kernel ``randint`` draw
-    give the same noise, element for element, and leave the generator in the same state:
-    a run, its checkpoint and the step-cost count (which turns the CPU path off) agree."""
-    from mixprec.optim import _lean
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that only runs each op: under it the CPU takes the GPU's ways
+    (:func:`mixprec.numerics.cpu_shortcuts`)."""
 
-    monkeypatch.setattr(_lean, "CPU_MASKED_NOISE", masked)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("masked", [True, False, None, "watched"])
+def test_the_rounding_noise_is_randints_on_either_path(masked):
+    """The CPU's masked draw (``masked=True``, the CPU's default) and the one-kernel
+    ``randint`` draw (``masked=False``, a GPU's, and a CPU's under a dispatch mode) give
+    the same noise, element for element, and leave the generator in the same state: a
+    run, its checkpoint and the step-cost count (which runs under a dispatch mode) agree."""
     gen, ref_gen = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
     bits = torch.arange(70001, dtype=torch.int32) * 7919
     expected = bits + torch.randint(0, 2**16, bits.shape, dtype=torch.int32, generator=ref_gen)
-    assert _lean.add_rounding_noise_(bits, gen) is bits
+    if masked == "watched":  # the default's choice under a dispatch mode: randint's draw
+        with _PassThrough():
+            assert add_rounding_noise_(bits, gen) is bits
+    else:
+        assert add_rounding_noise_(bits, gen, masked=masked) is bits
     assert torch.equal(bits, expected)
     assert torch.equal(gen.get_state(), ref_gen.get_state())
 
@@ -337,7 +349,7 @@ def test_accuracy_sweep_over_seeds():
 
 
 def _reference_step(self, found_inf, skip, weight_decay=None, step_kwargs=None):
-    """LeanUpdates.step one parameter at a time: the bit-exact reference."""
+    """LeanUpdates.eager_step one parameter at a time: the bit-exact reference."""
     from mixprec.loss_scale import step_or_skip
 
     low_ids = {id(p) for p in self._low}
@@ -428,7 +440,7 @@ def _lean_run(mode, reference, optimizer, steps=7):
         inner = torch.optim.SGD(groups, momentum=0.9)
     opt = LossScaleOptimizer(inner, 128.0, master_weights=mode, weight_decay=0.02)
     if reference:
-        opt._master.step = _reference_step.__get__(opt._master)
+        opt._master.eager_step = _reference_step.__get__(opt._master)
     params = [p for g in inner.param_groups for p in g["params"]]
     gen = torch.Generator().manual_seed(11)
     for step in range(steps):
@@ -450,7 +462,7 @@ def test_step_is_bit_identical_to_the_per_parameter_step(mode, run_elements, opt
     """Weight decay in one group, skipped steps, parameters without gradients, float32
     parameters between low ones, a channels-last weight, and runs cut short (50 elements:
     many runs, a tensor larger than a run) all step exactly as one parameter at a time."""
-    from mixprec.optim import _lean
+    from mixprec.optim.masters import _lean
 
     monkeypatch.setattr(_lean, "RUN_ELEMENTS", run_elements)
     new_params, new = _lean_run(mode, False, optimizer)

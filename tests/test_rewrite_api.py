@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import fx, nn
 
-from mixprec.amp._casting import claim_model, model_api
+from mixprec.amp._claim import claim_model, model_api
 from mixprec.compat.tf import enable_mixed_precision_graph_rewrite
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer

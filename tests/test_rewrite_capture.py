@@ -5,7 +5,7 @@ import torch
 from torch import fx, nn
 
 import mixprec.rewrite._capture as capture_module
-from mixprec.amp._casting import model_api
+from mixprec.amp._claim import model_api
 from mixprec.rewrite import CaptureError, count_casts, explain, rewrite
 from mixprec.rewrite._capture import capture, functionalize_inplace
 from mixprec.rewrite._modes import FLAG_NAME

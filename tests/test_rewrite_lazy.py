@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from mixprec import amp
-from mixprec.amp._casting import model_api
+from mixprec.amp._claim import model_api
 from mixprec.rewrite import (
     CaptureError,
     LazyRewrite,

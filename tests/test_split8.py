@@ -1,4 +1,5 @@
-"""The "split8" master weights: bfloat16 weight + int8 correction (mixprec.optim._split8)."""
+"""The "split8" master weights: bfloat16 weight + int8 correction
+(mixprec.optim.Split8MasterWeights; its codec is mixprec.kernels.bits')."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import io
 import pytest
 import torch
 
+from mixprec.kernels import join8_bits, split8_bits, split8_error_bound
 from mixprec.optim import AdamW8bit, LossScaleOptimizer, Split8MasterWeights
-from mixprec.optim._masters import MasterWeights
-from mixprec.optim._split8 import join8_bits, split8_bits, split8_error_bound
+from mixprec.optim.masters import MasterWeights
 
 
 def with_split8(inner: torch.optim.Optimizer, **options) -> LossScaleOptimizer:

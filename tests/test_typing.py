@@ -13,9 +13,9 @@ import pytest
 
 from mixprec import typing as mt
 from mixprec._checks import DTYPE_NAMES, LOW_PRECISION
-from mixprec.amp._levels import LEVELS
+from mixprec.amp import LEVELS
 from mixprec.float8._scaling import RECIPES
-from mixprec.optim._masters import MASTER_WEIGHT_MODES
+from mixprec.optim.masters import MASTER_WEIGHT_MODES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 USAGE = ROOT / "tests" / "typing" / "api_usage.py"

@@ -38,21 +38,6 @@ from typing import Any, cast
 
 import torch
 
-__all__ = [
-    "check_bool",
-    "check_number",
-    "check_choice",
-    "check_instance",
-    "low_precision_of",
-    "DTYPE_NAMES",
-    "LOW_PRECISION",
-    "FLOATING",
-    "as_dtype",
-    "as_low_precision",
-    "short_name",
-    "FLOAT8_NAMES",
-    "as_float8_dtype",
-]
 
 def _fix(hint: str) -> str:
     return f"; {hint}" if hint else ""

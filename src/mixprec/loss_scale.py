@@ -22,8 +22,7 @@ One step, written once here and used by :class:`~mixprec.LossScaleOptimizer`,
     loss_scale.update(found_inf)                       # dynamic scales adjust
 
 A loss scale is saved and restored in one format, :func:`loss_scale_state` /
-:func:`restore_loss_scale`; :func:`default_loss_scale` is the one rule for the
-scale a level gets. Nothing here reads a value back to the host except
+:func:`restore_loss_scale`. Nothing here reads a value back to the host except
 :func:`step_or_skip` for an optimizer that cannot skip on the device.
 
 >>> import torch
@@ -56,7 +55,7 @@ from mixprec._checks import check_number
 from mixprec.numerics import any_nonfinite, unscale_and_check_
 
 if TYPE_CHECKING:
-    from mixprec.typing import LossScaleSpec, ModelLevel
+    from mixprec.typing import LossScaleSpec
 
 __all__ = [
     "LossScale",
@@ -65,7 +64,6 @@ __all__ = [
     "DynamicLossScale",
     "ScaleCollapseError",
     "loss_scale_from_spec",
-    "default_loss_scale",
     "loss_scale_state",
     "restore_loss_scale",
     "check_process_group",
@@ -263,7 +261,8 @@ class LossScale:
         """
         now = self.__dict__.get("_scaled_count", 0)
         seen = getattr(consumer, "_seen_scaled", None)
-        consumer._seen_scaled = now
+        # Into its __dict__: an optimizer wrapper's __setattr__ looks names up first.
+        vars(consumer)["_seen_scaled"] = now
         return seen is not None and seen != now
 
     # -- health ---------------------------------------------------------------------
@@ -617,25 +616,6 @@ def loss_scale_from_spec(spec: LossScaleSpec) -> LossScale:
         f"loss_scale must be 'dynamic', 'none', None, a positive number or a "
         f"mixprec.LossScale object, got {spec!r}"
     )
-
-
-def default_loss_scale(level: ModelLevel, dtype: torch.dtype) -> LossScale:
-    """The loss scale a level gets in ``dtype`` when none is chosen: the one rule.
-
-    O1, O2 and the graph rewrite (``"rewrite"``) scale float16 dynamically, since its
-    gradients can underflow; bfloat16 has float32's exponent range, so it is not scaled
-    (as with ``torch.autocast``): the step then checks the gradients for inf and NaN
-    without rewriting them, and still skips a step that overflowed. O0, O3 and lean
-    (Apex's O3: scale 1) never scale.
-
-    >>> type(default_loss_scale("O2", torch.float16)).__name__
-    'DynamicLossScale'
-    >>> [default_loss_scale(level, torch.bfloat16).kind for level in ("O1", "O2", "O3", "rewrite")]
-    ['none', 'none', 'none', 'none']
-    """
-    if level in ("O1", "O2", "rewrite") and dtype == torch.float16:
-        return DynamicLossScale()
-    return NoOpLossScale()
 
 
 # -- the one saved form of a loss scale ----------------------------------------------

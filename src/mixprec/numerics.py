@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -37,6 +38,7 @@ __all__ = [
     "is_dtensor",
     "local_shards",
     "is_flat_shard",
+    "cpu_shortcuts",
 ]
 
 
@@ -157,7 +159,7 @@ def any_nonfinite(tensors: Iterable[torch.Tensor | None], device: torch.device) 
     """1.0 if any element of ``tensors`` is inf or NaN, else 0.0 (float32 on ``device``).
 
     Reads only: one max-abs norm per (device, dtype) group, no copies. No host sync
-    (on a CPU, see :data:`CPU_NORM_PREFILTER`).
+    (on a CPU, see :func:`_largest_magnitude`).
 
     >>> any_nonfinite([torch.ones(2), torch.tensor([float("nan")])], torch.device("cpu"))
     tensor(1.)
@@ -169,13 +171,21 @@ def any_nonfinite(tensors: Iterable[torch.Tensor | None], device: torch.device) 
     return nonfinite_flag(_largest(peaks))
 
 
-#: On a CPU, :func:`any_nonfinite` first takes the L2 norms, which a CPU computes
-#: several times faster than the max-abs ones: finite norms mean finite elements, and
-#: only a non-finite norm (an inf or NaN, or squares beyond float32's range) sends it
-#: to the max-abs check, read back on the host at no cost there. A GPU takes the
-#: max-abs norms at once (no host read). The step-cost benchmark, which prices a CPU
-#: run as a GPU one, turns this off while it counts.
-CPU_NORM_PREFILTER = True
+def cpu_shortcuts(device: torch.device) -> bool:
+    """Whether work on ``device`` takes the CPU's own ways to the same results: ``device``
+    is a CPU and no ``TorchDispatchMode`` watches the ops.
+
+    A CPU computes some results faster another way than a GPU does (an L2 norm before
+    the max-abs one, noise drawn masked, a check inside a compiled step), and a host
+    read costs it nothing. The results are the same bits either way; only the ops
+    differ. Code that watches the ops (a host-sync counter, the step-cost benchmark's
+    op counter, a FLOP counter) sees the ops a GPU runs, so what it counts on a CPU is
+    what a GPU would do.
+
+    >>> cpu_shortcuts(torch.device("cpu")), cpu_shortcuts(torch.device("meta"))
+    (True, False)
+    """
+    return device.type == "cpu" and _get_current_dispatch_mode() is None
 
 
 def _largest(values: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -186,8 +196,14 @@ def _largest(values: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Ten
 
 def _largest_magnitude(group: list[torch.Tensor]) -> torch.Tensor:
     """The largest ``|element|`` of ``group`` (one device and dtype; NaN if any is NaN),
-    or 0 on a CPU when every element is known finite (see :data:`CPU_NORM_PREFILTER`)."""
-    if CPU_NORM_PREFILTER and group[0].device.type == "cpu":
+    or 0 on a CPU when every element is known finite.
+
+    A CPU (:func:`cpu_shortcuts`) first takes the L2 norms, which it computes several
+    times faster than the max-abs ones: finite norms mean finite elements, and only a
+    non-finite norm (an inf or NaN, or squares beyond float32's range) sends it to the
+    max-abs check, read back on the host at no cost there. A GPU takes the max-abs
+    norms at once (no host read)."""
+    if cpu_shortcuts(group[0].device):
         if bool(_largest(torch._foreach_norm(group, 2)) < float("inf")):
             return torch.zeros((), dtype=group[0].dtype)
     return _largest(torch._foreach_norm(group, float("inf")))

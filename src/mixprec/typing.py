@@ -78,8 +78,8 @@ LowPrecision: TypeAlias = Union[
 #: A loss scale (``mixprec.loss_scale_from_spec``): a kind, a fixed number, ``None`` or an object.
 LossScaleSpec: TypeAlias = Union[Literal["dynamic", "none"], float, int, None, "LossScale"]
 
-#: A master-weight mode (``mixprec.optim._masters.MASTER_WEIGHT_MODES``; ``True`` is ``"fp32"``).
+#: A master-weight mode (``mixprec.optim.masters.MODES``; ``True`` is ``"fp32"``).
 MasterWeights: TypeAlias = bool | Literal["fp32", "split", "split8", "kahan", "stochastic"]
 
-#: A float8 recipe (``mixprec.amp._levels.check_fp8``; ``True`` is ``"dynamic"``).
+#: A float8 recipe (``mixprec.amp._initialize.check_fp8``; ``True`` is ``"dynamic"``).
 Float8Recipe: TypeAlias = bool | Literal["dynamic", "delayed"] | None

@@ -13,7 +13,7 @@ import torch
 
 import mixprec
 from mixprec import amp
-from mixprec.loss_scale import DynamicLossScale, default_loss_scale, loss_scale_from_spec
+from mixprec.loss_scale import DynamicLossScale, loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
 from mixprec.typing import (
     DTypeName,
@@ -64,8 +64,9 @@ def correct_uses() -> None:
     loss_scale_from_spec(None)
     loss_scale_from_spec(512.0)
     mixprec.loss_scale_from_spec(mixprec.StaticLossScale(8.0))
-    default_loss_scale("O2", torch.bfloat16)
-    default_loss_scale("rewrite", torch.float16)
+    amp.LEVEL_SPECS["O2"].default_loss_scale(torch.bfloat16)
+    amp.LEVEL_SPECS["rewrite"].default_loss_scale(torch.float16)
+    amp.LEVEL_SPECS[MODEL_LEVEL].default_loss_scale(torch.float16)
     amp.initialize(net, opt, LEVEL, LOW, loss_scale=SPEC, master_weights=MASTERS, fp8=RECIPE)
 
 
@@ -86,4 +87,4 @@ def wrong_uses() -> None:
     mixprec.LossScaleOptimizer(opt, loss_scale="Dynamic")  # type: ignore[arg-type]
 
     loss_scale_from_spec("dynamc")  # type: ignore[arg-type]
-    default_loss_scale("O9", torch.float16)  # type: ignore[arg-type]
+    amp.LEVEL_SPECS["O9"].default_loss_scale(torch.float16)  # type: ignore[index]

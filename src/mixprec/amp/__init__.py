@@ -4,11 +4,17 @@
   :func:`choose_auto` - the level and dtype ``auto`` picks on a device, and why.
 * :func:`set_policy`, :func:`to_float` - a :class:`~mixprec.Policy` for one module
   (one layer's own precision).
+* :data:`LEVEL_SPECS` - what each level does, as data: one frozen :class:`LevelSpec` per
+  level (storage, casts, default loss scale and master weights, optimizer state).
 * :func:`get_white_list`, :func:`get_black_list` - the default allow / deny lists, to
   start lists of one's own from (O1 with the defaults is ``torch.autocast``).
 
-Two internal modules: ``_levels`` (the levels: plan, lists, the hardware's choice)
-and ``_casting`` (per-module policies, the cast hooks and their cache).
+The internal modules hold one concept each: the level specs (``_level_specs``),
+``initialize`` (``_initialize``), the plan of a level (``_level_plan``), the choice of
+``auto`` (``_auto``), the lists (``_lists``), per-module policies (``_module_policy``),
+the claim of a model by one API (``_claim``), the hooks (``_cast_hooks``), their cast
+cache and per-thread state (``_cast_cache``) and their path under ``torch.compile``
+(``_traced_hooks``).
 
 >>> import torch
 >>> from mixprec import amp
@@ -21,11 +27,16 @@ and ``_casting`` (per-module policies, the cast hooks and their cache).
 (torch.float32, 1)
 """
 
-from mixprec.amp._casting import compute_dtype, get_policy, set_policy, to_float
-from mixprec.amp._levels import LEVELS, choose_auto, get_black_list, get_white_list, initialize
+from mixprec.amp._auto import choose_auto
+from mixprec.amp._initialize import initialize
+from mixprec.amp._level_specs import LEVEL_SPECS, LEVELS, LevelSpec
+from mixprec.amp._lists import get_black_list, get_white_list
+from mixprec.amp._module_policy import compute_dtype, get_policy, set_policy, to_float
 
 __all__ = [
     "LEVELS",
+    "LEVEL_SPECS",
+    "LevelSpec",
     "initialize",
     "choose_auto",
     "set_policy",

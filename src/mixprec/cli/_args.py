@@ -32,17 +32,6 @@ from typing import Any
 
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 
-__all__ = [
-    "COMPARE_LEVEL_TIMEOUT",
-    "DEFAULTS",
-    "LR_MAX",
-    "MASTER_WEIGHTS",
-    "UsageError",
-    "build_parser",
-    "fill_defaults",
-    "OPTIMIZERS",
-]
-
 #: The largest ``--lr``: AdamW's first step is up to 10 x the learning rate (its bias
 #: correction), and that must stay a float32 number (3.4e38) for the update to be made;
 #: a larger one is refused instead of failing inside the optimizer.
@@ -54,7 +43,7 @@ COMPARE_LEVEL_TIMEOUT = 3600.0
 #: ``--master-weights`` choices: the library's modes (``master_weights=``) as the command
 #: line spells them, ``none`` for ``False``. Written out here, not imported: this module
 #: loads without torch (a test checks they match
-#: :data:`mixprec.optim._masters.MASTER_WEIGHT_MODES`).
+#: :data:`mixprec.optim.masters.MASTER_WEIGHT_MODES`).
 MASTER_WEIGHTS = ("fp32", "split", "split8", "kahan", "stochastic", "none")
 
 #: ``--optimizer`` choices: torch's AdamW, or mixprec's 8-bit-state AdamW

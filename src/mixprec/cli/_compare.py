@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from mixprec.amp._level_specs import LEVEL_SPECS, spec_of
 from mixprec.cli._args import MASTER_WEIGHTS, UsageError, fill_defaults
 from mixprec.cli._train import (
     DIVERGED,
@@ -62,14 +63,11 @@ from mixprec.cli._train import (
 )
 from mixprec.tools._memory import peak_rss_mib, reset_peak_rss
 from mixprec.train._divergence import check_skipped
-from mixprec.train._loop import AMP_LEVELS, resolve_device
+from mixprec.train._loop import resolve_device
 from mixprec.train._plots import plot_comparison
 from mixprec.train.callbacks import History
 from mixprec.train.data import DataError
 from mixprec.train.models import build_model
-
-__all__ = ["ENTRY_OPTIONS", "parse_entry", "run_compare", "run_level"]
-
 
 #: What may follow a level after ``+`` in ``--levels``: the ``mixprec train`` option
 #: it sets, and the value. A master-weight mode (one of
@@ -91,10 +89,10 @@ def parse_entry(text: str) -> tuple[str, tuple[str, ...]]:
     """
     level, *options = (part.strip() for part in text.split("+"))
     bad = [o for o in options if o not in ENTRY_OPTIONS and o not in MASTER_WEIGHTS]
-    if level not in AMP_LEVELS or bad:
+    if level not in LEVEL_SPECS or bad:
         raise UsageError(
             f"--levels: unknown {'option ' + repr(bad[0]) if bad else 'level ' + repr(level)} "
-            f"in {text!r}; levels: {', '.join(AMP_LEVELS)}; options after '+': "
+            f"in {text!r}; levels: {', '.join(LEVEL_SPECS)}; options after '+': "
             f"{', '.join(ENTRY_OPTIONS)} or a master-weight mode ({', '.join(MASTER_WEIGHTS)}) "
             "(e.g. O2+compile, O2+split8, O2+split8+adamw8bit)"
         )
@@ -138,7 +136,7 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
     else:
         peak_mb = peak_rss_mib()
     config = model.amp_level
-    if model.amp_level != "O0":
+    if spec_of(model.amp_level).low_precision:
         config += f" {str(model.dtype).replace('torch.', '')}"
     if args.fp8:
         config += f" fp8-{args.fp8}"

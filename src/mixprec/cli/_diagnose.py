@@ -22,8 +22,6 @@ from mixprec.diagnostics import PrecisionReport, diagnose
 from mixprec.train._loop import resolve_device
 from mixprec.train.models import build_model
 
-__all__ = ["run_diagnose"]
-
 
 def run_diagnose(args: argparse.Namespace) -> PrecisionReport:
     """Diagnose the configured model on its training data; print and save the report."""

@@ -51,20 +51,6 @@ from mixprec.train._checkpoint import CheckpointError, newest_readable
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 from mixprec.train.callbacks import ModelCheckpoint
 
-__all__ = [
-    "RUN_FILES",
-    "RUN_FORMAT",
-    "run_files",
-    "check_new_out",
-    "prepare_out",
-    "read_config",
-    "resume_settings",
-    "pick_checkpoint",
-    "KEEP_LAST",
-    "RunLock",
-    "links_in",
-]
-
 #: The files a run writes besides its checkpoints.
 RUN_FILES = (
     "config.json",

@@ -37,8 +37,6 @@ import sys
 import threading
 from collections.abc import Mapping
 
-__all__ = ["under_torchrun", "failing", "finish"]
-
 
 def under_torchrun(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process is one of several that ``torchrun`` started."""

@@ -30,12 +30,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from mixprec.amp._levels import (
-    check_master_weights,
-    choose_auto,
-    cpu_has_fast,
-    float16_optimizer_state,
-)
+from mixprec.amp._auto import choose_auto, cpu_has_fast
+from mixprec.amp._level_specs import check_master_weights, float16_optimizer_state, spec_of
 from mixprec.cli._args import UsageError, fill_defaults
 from mixprec.cli._run_folder import (
     KEEP_LAST,
@@ -90,15 +86,6 @@ if TYPE_CHECKING:
     from mixprec.float8 import Float8Report
     from mixprec.typing import Level, MasterWeights
 
-__all__ = [
-    "run_train",
-    "build_run",
-    "check_out_dir",
-    "check_master_weights_arg",
-    "load_data",
-    "DIVERGED",
-    "Interrupted",
-]
 
 #: What ``Model.train`` raises when a run diverges; the command exits with code 3.
 DIVERGED = (ScaleCollapseError, DivergenceError)
@@ -181,7 +168,7 @@ def check_master_weights_arg(args: argparse.Namespace, level: str, where: str) -
     in) cannot take, as a :class:`UsageError` starting with ``where`` (the option and
     its value as given).
 
-    The rules are the library's (:func:`~mixprec.amp._levels.check_master_weights`, and
+    The rules are the library's (:func:`~mixprec.amp._level_specs.check_master_weights`, and
     ``Model``'s own for the rewrite level), asked here before anything is built or
     written, so a bad pair is one line and an empty folder rather than a refusal once
     the model is built. ``auto`` is resolved first, as ``build_run`` will resolve it.
@@ -190,7 +177,7 @@ def check_master_weights_arg(args: argparse.Namespace, level: str, where: str) -
     if value is None:  # the level's own mode: always fits
         return
     device = resolve_device(args.device)  # a bad --device is its own error, not ours
-    if level == "auto":
+    if spec_of(level).by_hardware:
         level, dtype = _concrete(args, level, device)
         where += f" with --level auto ({level}, {_name(dtype)} on this machine)"
     else:
@@ -211,7 +198,7 @@ def _concrete(
     args: argparse.Namespace, level: str, device: torch.device
 ) -> tuple[str, torch.dtype]:
     """The level and dtype a run trains in: ``auto`` resolved as ``Model`` resolves it."""
-    if level == "auto":
+    if spec_of(level).by_hardware:
         level, dtype, _ = choose_auto(device)
         return level, dtype
     return level, resolve_dtype(args.dtype, device)
@@ -222,7 +209,7 @@ def _adam_eps(args: argparse.Namespace, level: str, device: torch.device) -> flo
     float16 parameters without float32 masters (O3 and lean in float16, O2 with
     ``--master-weights none``): the command has no ``eps`` option to pass."""
     level, dtype = _concrete(args, level, device)
-    if level not in ("O2", "O3", "lean"):
+    if spec_of(level).storage == "float32":  # float32 parameters: float32 state
         return 1e-8
     masters = check_master_weights(master_weights_value(args), cast("Level", level), dtype)
     return FLOAT16_STATE_EPS if float16_optimizer_state(level, dtype, masters) else 1e-8
@@ -259,7 +246,7 @@ def build_run(args: argparse.Namespace, level: str):
         optimizer,
         metrics=["accuracy", "loss"],
         amp_level=level,
-        loss_scale=None if concrete == "O0" else _loss_scale(args.loss_scale),
+        loss_scale=_loss_scale(args.loss_scale) if spec_of(concrete).low_precision else None,
         dtype=args.dtype,
         device=device,
         compile=bool(getattr(args, "compile", False)),
@@ -272,7 +259,7 @@ def build_run(args: argparse.Namespace, level: str):
 def _check_range(args: argparse.Namespace, model: Model, *loaders: Any) -> None:
     """Refuse features beyond the range of the dtype the level computes them in (float16
     tops out at 65504): every batch holding one would overflow and be skipped."""
-    if model.amp_level == "O0" or model.dtype != torch.float16:
+    if not spec_of(model.amp_level).low_precision or model.dtype != torch.float16:
         return  # float32 and bfloat16 share float32's range, checked when the data loaded
     top = torch.finfo(model.dtype).max
     for loader in loaders:
@@ -358,9 +345,10 @@ def _name(dtype: torch.dtype) -> str:
 def _hardware_notes(model: Model) -> list[str]:
     notes = []
     if model.auto_reason is not None:
-        low = "float32" if model.amp_level == "O0" else _name(model.dtype)
+        low = _name(model.dtype) if spec_of(model.amp_level).low_precision else "float32"
         notes.append(f"auto: level {model.amp_level}, {low}: {model.auto_reason}")
-    if model.device.type == "cpu" and model.amp_level != "O0" and not cpu_has_fast(model.dtype):
+    low_precision = spec_of(model.amp_level).low_precision
+    if model.device.type == "cpu" and low_precision and not cpu_has_fast(model.dtype):
         name = _name(model.dtype)
         notes.append(
             f"note: this CPU has no {name} units, so {name} is emulated here and runs far "
@@ -445,7 +433,7 @@ def _write_results(
     underflow = None if precision is None else precision.underflow_series()
     plot_loss_scale(
         history.loss_scales, history.skipped, out / "loss_scale.png", underflow=underflow,
-        dtype=config["dtype"] if config["amp_level"] != "O0" else "float32",
+        dtype=config["dtype"] if spec_of(config["amp_level"]).low_precision else "float32",
     )  # fmt: skip
     return summary
 
@@ -507,7 +495,7 @@ def _check_inputs(args: argparse.Namespace, given: set[str], held: list[RunLock]
             flag = "--overwrite" if args.overwrite else "--out"
             held.append(RunLock(args.out, flag).acquire())
         check_new_out(args.out, args.overwrite)
-        if args.level == "auto" and "dtype" in given:
+        if spec_of(args.level).by_hardware and "dtype" in given:
             raise UsageError(
                 f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by "
                 "the hardware; leave --dtype out, or name a level"
@@ -557,7 +545,7 @@ def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -
         if warning is not None:
             print(f"mixprec: warning: {warning}", file=sys.stderr)
     config = _config(args, model)
-    lowp = "float32" if model.amp_level == "O0" else _name(model.dtype)
+    lowp = _name(model.dtype) if spec_of(model.amp_level).low_precision else "float32"
     print(
         f"mixprec train: {args.model} on {'digits' if args.data is None else args.data}, "
         f"level {model.amp_level}, {lowp}, loss scale {args.loss_scale}, {model.device}"
@@ -580,7 +568,7 @@ def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -
     sizes = {name: len(loader.dataset) for name, loader in
              (("train", train), ("validation", val), ("test", test))}  # fmt: skip
     # Gradient underflow beside the loss scale (sampled every 100 steps, no syncs between).
-    low = model.amp_level != "O0" and model.dtype in (torch.float16, torch.bfloat16)
+    low = spec_of(model.amp_level).low_precision and model.dtype in (torch.float16, torch.bfloat16)
     precision = PrecisionMonitor(dtype=model.dtype, verbose=not args.quiet) if low else None
     total_steps = args.epochs * len(train)
     callbacks = [

@@ -36,8 +36,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["optimizer_config", "optimizer_from_config"]
-
 _KEYS = {"module", "class_name", "config", "param_groups"}
 
 

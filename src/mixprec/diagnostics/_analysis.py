@@ -36,8 +36,6 @@ from mixprec.diagnostics._histogram import ExponentCounts
 from mixprec.diagnostics._layers import GRADIENTS, LayerStats
 from mixprec.diagnostics._scales import K_MAX, K_MIN, ScaleChoice, choose_scale
 
-__all__ = ["Analysis", "analyse", "scale_free_reason", "percent", "power"]
-
 _WHAT = {
     "input": "inputs",
     "value": "values",

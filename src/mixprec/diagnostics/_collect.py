@@ -37,8 +37,6 @@ from mixprec.diagnostics._histogram import ExponentHistogram
 from mixprec.diagnostics._layers import LayerStats
 from mixprec.diagnostics._report import PrecisionReport
 
-__all__ = ["diagnose"]
-
 
 def _floating(tree: Any) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(tree)

@@ -44,16 +44,6 @@ import torch
 
 from mixprec._checks import as_dtype
 
-__all__ = [
-    "DtypeRange",
-    "dtype_range",
-    "ExponentHistogram",
-    "ExponentCounts",
-    "NUM_BINS",
-    "count_exponents_",
-    "count_exponents_rows_",
-]
-
 #: float32 biased exponents 0..255 (0: nonzero below 2**-126, 255: inf/nan), then exact zeros.
 NUM_BINS = 257
 _ZEROS = 256

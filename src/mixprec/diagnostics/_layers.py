@@ -25,8 +25,6 @@ import torch
 
 from mixprec.diagnostics._histogram import ExponentCounts
 
-__all__ = ["LayerStats", "TENSORS", "GRADIENTS", "KINDS"]
-
 #: The histograms each kind of entry holds.
 TENSORS: dict[str, tuple[str, str]] = {
     "parameter": ("value", "grad"),

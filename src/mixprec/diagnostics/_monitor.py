@@ -54,8 +54,6 @@ from torch import nn
 from mixprec._checks import as_low_precision, check_bool, check_instance, check_number
 from mixprec.diagnostics._histogram import NUM_BINS, count_exponents_rows_, dtype_range
 
-__all__ = ["GradientMonitor", "GradientSample", "DEFAULT_EVERY"]
-
 #: The default sampling interval, in optimizer steps.
 DEFAULT_EVERY = 100
 _BIAS = 127  # float32's exponent bias: counter b holds exponent b - 127

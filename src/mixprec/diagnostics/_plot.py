@@ -35,8 +35,6 @@ import torch  # noqa: F401  (the doctest uses it)
 from mixprec.diagnostics._histogram import ExponentCounts, dtype_range
 from mixprec.diagnostics._layers import GRADIENTS
 
-__all__ = ["plot_report", "DATA_KEY"]
-
 DATA_KEY = "mixprec-data"
 
 

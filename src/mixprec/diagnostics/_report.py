@@ -48,8 +48,6 @@ from mixprec.diagnostics._histogram import ExponentCounts
 from mixprec.diagnostics._layers import GRADIENTS, LayerStats
 from mixprec.diagnostics._scales import ScaleChoice
 
-__all__ = ["PrecisionReport", "REPORT_JSON", "REPORT_PNG"]
-
 REPORT_JSON = "precision_report.json"
 REPORT_PNG = "precision_report.png"
 

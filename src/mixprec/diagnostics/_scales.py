@@ -25,10 +25,7 @@ or shrink by ``2**margin`` before they overflow or underflow.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
-
-__all__ = ["ScaleChoice", "choose_scale", "K_MIN", "K_MAX"]
 
 #: The loss-scale exponents considered: 2**-64 to 2**64.
 K_MIN, K_MAX = -64, 64
@@ -99,12 +96,3 @@ def choose_scale(
     lo, hi, members = max(runs, key=quality)
     excluded = tuple(n for n in names if n not in members)
     return ScaleChoice(_pick(lo, hi, margin_bits), lo, hi, excluded)
-
-
-def interval_text(lo: float, hi: float) -> str:
-    """``[2**lo, 2**hi]`` for a table, ``none`` for an empty interval."""
-    if lo > hi:
-        return "none"
-    low = "0" if lo == -math.inf else f"2^{int(lo)}"
-    high = "inf" if hi == math.inf else f"2^{int(hi)}"
-    return f"[{low}, {high}]"

@@ -43,8 +43,6 @@ import torch
 from mixprec.diagnostics._layers import LayerStats
 from mixprec.loss_scale import DynamicLossScale
 
-__all__ = ["Suggestion"]
-
 # DynamicLossScale's own bounds; a recommendation outside them widens them.
 _DEFAULT_MIN_SCALE, _DEFAULT_MAX_SCALE = 1.0, 2.0**24
 

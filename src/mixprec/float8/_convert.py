@@ -48,8 +48,6 @@ from mixprec.float8._linear import (
 )
 from mixprec.float8._scaling import make_scaling
 
-__all__ = ["Float8Decision", "Float8Report", "convert_from_float8", "convert_to_float8"]
-
 ModuleFilter = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
 

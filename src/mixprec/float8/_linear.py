@@ -42,8 +42,6 @@ from mixprec._checks import as_dtype
 from mixprec.float8._matmul import scaled_mm
 from mixprec.float8._scaling import Float8Scaling, make_scaling
 
-__all__ = ["Float8Conv1D", "Float8Layer", "Float8Linear", "conv1d_class", "is_conv1d"]
-
 #: Output dtypes ``torch._scaled_mm`` can write.
 OUTPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: ``torch._scaled_mm`` on GPUs needs every contracted and output dimension to be a

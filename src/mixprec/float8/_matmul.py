@@ -24,9 +24,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["native_scaled_mm", "scaled_mm"]
-
-
 _PROBED: dict[str, bool] = {}
 
 

@@ -41,8 +41,6 @@ from mixprec._checks import (
     check_number,
 )
 
-__all__ = ["Float8Scaling", "DynamicScaling", "DelayedScaling", "as_float8_dtype", "make_scaling"]  # as_float8_dtype: from mixprec._checks
-
 
 class Float8Scaling(nn.Module):
     """The interface of a per-tensor float8 scaling; subclasses pick the scale.

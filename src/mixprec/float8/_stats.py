@@ -19,8 +19,6 @@ from torch import nn
 from mixprec._checks import check_instance
 from mixprec.float8._linear import Float8Layer
 
-__all__ = ["float8_stats", "read_float8_stats", "STAT_NAMES", "TENSORS"]
-
 #: The three tensors of a layer each statistic describes, and the scaling that casts each.
 TENSORS = ("input", "weight", "grad")
 _SCALINGS = {tensor: f"{tensor}_scaling" for tensor in TENSORS}

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 
 from mixprec._checks import as_low_precision
-from mixprec.amp._levels import check_level_name, choose_auto
-from mixprec.loss_scale import LossScale, default_loss_scale, loss_scale_from_spec
-
-__all__ = ["require", "check_level", "level_loss_scale", "ScaleReader"]
+from mixprec.amp._auto import choose_auto
+from mixprec.amp._level_specs import check_level_name, spec_of
+from mixprec.loss_scale import LossScale, loss_scale_from_spec
 
 #: The optional extras of pyproject.toml and the pinned requirements each installs: the
 #: install hint names them, so it works whether mixprec came from a checkout or not.
@@ -48,14 +47,14 @@ def check_level(level: Any, dtype: Any, device: torch.device | str) -> tuple[str
     """The checked ``(level, dtype)``; ``auto`` decides by ``device`` (``amp.choose_auto``)."""
     normal = check_level_name(level)
     dtype = as_low_precision(dtype, "dtype", hint="the low precision of the level; O0 is float32")
-    if normal == "auto":
+    if spec_of(normal).by_hardware:
         normal, dtype, _ = choose_auto(device)
     return normal, dtype
 
 
 def level_loss_scale(spec: Any, level: str, dtype: torch.dtype) -> LossScale:
-    """The loss scale ``spec`` names, or the level's own (``amp.initialize``'s rule) for ``None``."""
-    return default_loss_scale(level, dtype) if spec is None else loss_scale_from_spec(spec)
+    """The loss scale ``spec`` names, or the level's own (its ``LevelSpec``'s) for ``None``."""
+    return spec_of(level).default_loss_scale(dtype) if spec is None else loss_scale_from_spec(spec)
 
 
 class ScaleReader:

@@ -41,7 +41,8 @@ import torch
 
 from mixprec import amp
 from mixprec._checks import check_bool
-from mixprec.amp._levels import check_fp8, check_master_weights
+from mixprec.amp._initialize import check_fp8
+from mixprec.amp._level_specs import check_master_weights, spec_of
 from mixprec.integrations._common import ScaleReader, check_level, level_loss_scale, require
 from mixprec.optim import LossScaleOptimizer
 
@@ -62,11 +63,13 @@ _CONVERTED = "_mixprec_lightning_precision"
 
 
 def _lightning_name(level: str, dtype: torch.dtype) -> str:
-    """Lightning's name for the precision a level gives (``trainer.precision``)."""
-    if level == "O0":
+    """Lightning's name for the precision a level gives (``trainer.precision``): ``-true``
+    where every parameter is stored low, ``-mixed`` where some stay float32."""
+    spec = spec_of(level)
+    if not spec.low_precision:
         return "32-true"
     low = "bf16" if dtype == torch.bfloat16 else "16"
-    return f"{low}-true" if level in ("O3", "lean") else f"{low}-mixed"
+    return f"{low}-true" if spec.storage == "low" else f"{low}-mixed"
 
 
 class MixprecPrecision(Precision):
@@ -283,7 +286,7 @@ class MixprecPrecision(Precision):
         return torch.autocast(
             torch.device(self.device).type,
             dtype=self.dtype,
-            enabled=self.level != "O0",
+            enabled=spec_of(self.level).low_precision,
             cache_enabled=False,
         )
 

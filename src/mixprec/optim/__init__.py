@@ -9,21 +9,24 @@
 * :class:`AdamW8bit` - AdamW with 8-bit moments (2 bytes of state per parameter).
 * :class:`Split8MasterWeights` - the ``"split8"`` masters: bfloat16 weight + int8 correction.
 * :class:`GradientRelease` - each parameter stepped during ``backward()``, gradients freed.
+* :mod:`mixprec.optim.masters` - what is stepped: the master-weight modes, one
+  protocol (:class:`~mixprec.optim.masters.Masters`) and one registry
+  (:data:`~mixprec.optim.masters.MODES`).
 
 The modules behind them are internal: ``_loss_scale_optimizer`` (the wrapper and its
-step), ``_masters`` (what is stepped: the master-weight modes), ``_clipping``,
-``_ema``, ``_accumulation``, ``_grad_scaler``, ``_distributed_checkpoint``,
-``_split8``, ``_compressed_adamw`` and ``_release``; the
-step protocol they share is :mod:`mixprec.loss_scale`.
+step pipeline), ``_clipping``, ``_ema``, ``_accumulation``, ``_grad_scaler``,
+``_distributed_checkpoint``, ``_adamw8bit``, ``_flat_params`` and ``_release``; the
+loss-scale protocol they share is :mod:`mixprec.loss_scale`, and the formulas
+(AdamW's update, the bit codecs) are :mod:`mixprec.kernels`'.
 """
 
 from typing import Any
 
-from mixprec.optim._compressed_adamw import AdamW8bit
+from mixprec.optim._adamw8bit import AdamW8bit
 from mixprec.optim._grad_scaler import GradScaler
 from mixprec.optim._loss_scale_optimizer import LossScaleOptimizer, joint_step
 from mixprec.optim._release import GradientRelease
-from mixprec.optim._split8 import Split8MasterWeights
+from mixprec.optim.masters import Split8MasterWeights
 
 __all__ = [
     "GradScaler", "LossScaleOptimizer", "joint_step", "CheckpointState", "AdamW8bit",

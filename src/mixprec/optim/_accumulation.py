@@ -25,8 +25,6 @@ import torch
 
 from mixprec._checks import check_number
 
-__all__ = ["GradientAccumulator", "check_accumulation_steps"]
-
 
 def check_accumulation_steps(steps: Any) -> int | None:
     """Validate ``gradient_accumulation_steps`` (``None`` or an integer >= 1)."""

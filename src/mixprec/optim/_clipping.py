@@ -42,14 +42,6 @@ from mixprec.numerics import (
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = [
-    "clip_by_value_",
-    "clip_by_norm_",
-    "clip_by_global_norm_",
-    "clip_gradients_",
-    "norm_across_ranks",
-    "decay_",
-]
 
 
 def _by_kind(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -41,8 +41,6 @@ from mixprec._checks import check_instance
 from mixprec.numerics import is_flat_shard
 from mixprec.optim._loss_scale_optimizer import LossScaleOptimizer
 
-__all__ = ["CheckpointState"]
-
 
 def _refuse_flat_shard_parts(opt: LossScaleOptimizer) -> None:
     accumulating = opt._accumulator is not None and opt._accumulator.micro_step > 0

@@ -29,8 +29,6 @@ import torch
 from mixprec._checks import check_number
 from mixprec.numerics import local_shards
 
-__all__ = ["ParameterEMA"]
-
 
 class ParameterEMA:
     """Moving averages of a list of parameters (float32 copies)."""

@@ -18,8 +18,6 @@ import torch
 
 from mixprec.numerics import is_flat_shard
 
-__all__ = ["FlatParameters", "is_dense"]
-
 
 def is_dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill a block of its storage with no gaps or overlaps

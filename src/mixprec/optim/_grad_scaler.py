@@ -55,9 +55,6 @@ from mixprec.loss_scale import (
 )
 from mixprec.numerics import coalesce_sparse_half_grads_, unscale_and_check_
 
-__all__ = ["GradScaler"]
-
-
 #: What a ``torch.amp.GradScaler`` state dict holds besides ``_growth_tracker``.
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval")
 

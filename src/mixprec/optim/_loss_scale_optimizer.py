@@ -5,7 +5,7 @@ One ``step()``, top to bottom in :meth:`LossScaleOptimizer.step`: gradients ->
 -> decoupled weight decay -> inner step, skipped on overflow -> EMA -> (copy masters
 back) -> update the loss scale -> count. The step protocol itself (unscale, agree,
 step or skip, update, the saved form of a loss scale) is :mod:`mixprec.loss_scale`'s;
-what is stepped is :mod:`mixprec.optim._masters`'s. The only host read is the
+what is stepped is :mod:`mixprec.optim.masters`'s. The only host read is the
 ``found_inf.item()`` of a non-fused inner step; fused ones skip on the device.
 
 The wrapper is a real ``torch.optim.Optimizer`` built through torch's constructor
@@ -45,25 +45,22 @@ from mixprec.loss_scale import (
     reduction_group,
     refuse_unscaled_gradients,
     restore_loss_scale,
-    step_or_skip,
 )
-from mixprec.numerics import coalesce_sparse_half_grads_, is_flat_shard, unscale_and_check_
+from mixprec.numerics import (
+    coalesce_sparse_half_grads_,
+    cpu_shortcuts,
+    is_flat_shard,
+    unscale_and_check_,
+)
 from mixprec.optim._accumulation import GradientAccumulator
-from mixprec.optim._clipping import clip_gradients_, decay_
+from mixprec.optim._clipping import clip_gradients_
 from mixprec.optim._ema import ParameterEMA
-from mixprec.optim._masters import (
-    LeanUpdates,
-    MasterWeights,
-    SplitMasterWeights,
-    build_master,
-    master_weight_mode,
-)
+from mixprec.optim.masters import build_masters, mode_of
 
 if TYPE_CHECKING:
     from mixprec.typing import LossScaleSpec
-    from mixprec.typing import MasterWeights as MasterWeightsOption  # not the class above
+    from mixprec.typing import MasterWeights as MasterWeightsOption
 
-__all__ = ["LossScaleOptimizer", "OptimizerWrapper", "StepCounters", "joint_step"]
 
 
 class _FromInner:
@@ -348,35 +345,17 @@ def check_options(
     check_bool("skip_nonfinite", skip_nonfinite)
     if use_ema:
         ParameterEMA([], ema_momentum, ema_overwrite_frequency)  # validates only
-    mode = master_weight_mode(master_weights)
-    if mode == "fp32":
-        MasterWeights.check(inner_optimizer)
-    elif mode in ("split", "split8"):
-        from mixprec.optim._split8 import Split8MasterWeights  # it builds on _masters
-
-        (SplitMasterWeights if mode == "split" else Split8MasterWeights).check(inner_optimizer)
-        if use_ema:
-            raise ValueError(
-                f"use_ema=True needs float32 masters that live between steps, and "
-                f"master_weights={mode!r} rebuilds them only for the step; "
-                "use master_weights='fp32' with use_ema=True"
-            )
-    elif mode:
-        LeanUpdates.check(inner_optimizer, mode)
+    mode = mode_of(master_weights)
+    mode.check(inner_optimizer)
+    if use_ema and not mode.ema:
+        raise ValueError(
+            f"use_ema=True needs float32 masters that live between steps, and "
+            f"master_weights={mode.name!r} rebuilds them only for the step; "
+            "use master_weights='fp32' with use_ema=True"
+        )
     check_process_group(process_group)
     check_sharded_options(inner_optimizer, clipnorm)
     return accumulation
-
-
-#: On a CPU, the fused master-weight and lean steps look for inf/NaN gradients in their
-#: own compiled graph (a reduction over each gradient before anything is written)
-#: instead of a check apart from it: about 200 us less a step for a 31-tensor model and
-#: a fifth of a small model's step, with OpenMP's default waiting. On a GPU the check
-#: stays apart until a GPU profile says which costs fewer launches (the step-cost model
-#: prices the graph's reductions at as many launches as its loops, plus one; the check
-#: apart is about six). The step-cost benchmark, which prices a CPU run as a GPU one,
-#: turns this off while it counts.
-CPU_CHECK_IN_STEP = True
 
 
 class LossScaleOptimizer(OptimizerWrapper):
@@ -404,7 +383,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             one overflowing micro-batch skips the window (``zero_grad()`` after each).
         master_weights: True/"fp32" (float32 masters are stepped), "split"/"split8" (float32
             masters rebuilt from the bfloat16 weight and 16/8 stored bits), "kahan" or "stochastic"
-            (the low-precision parameters are stepped, updates kept: see mixprec.optim._masters).
+            (the low-precision parameters are stepped, updates kept: see mixprec.optim.masters).
         skip_nonfinite: ``False`` applies every step, even one with inf/NaN gradients.
         process_group: the ranks that skip together: ``None`` (default) all ranks once
             ``torch.distributed`` runs on more than one, a ``ProcessGroup`` (e.g. the
@@ -471,7 +450,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         self.process_group = process_group
         self._pending = _Pending()  # what scale_loss and unscale_ leave for the step
         self._held_grads: dict[int, torch.Tensor] = {}  # a no_sync() window's gradients
-        self._master = build_master(inner_optimizer, master_weights)
+        self._master = build_masters(inner_optimizer, master_weights)
         self._accumulator = GradientAccumulator(accumulation) if accumulation else None
         params = self._stepped_params()
         self._ema = ParameterEMA(params, ema_momentum, ema_overwrite_frequency) if use_ema else None
@@ -525,7 +504,7 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     @property
     def master_weights(self) -> bool | str:  # False, True (float32), or the mode's name
-        return getattr(self._master, "mode", True) if self._master is not None else False
+        return self._master.option
 
     def _factor(self) -> float:
         return 1.0 if self.loss_scale_factor is None else float(self.loss_scale_factor)
@@ -566,8 +545,7 @@ class LossScaleOptimizer(OptimizerWrapper):
                 "unscale_() has already been called since the last step(); call it once per step"
             )
         self._pending.unscaled_found_inf = self._unscale(self._stepped_params(), False)
-        if isinstance(self._master, MasterWeights):
-            self._master.show_masters_in_model()
+        self._master.show_masters_in_model()
         return self._pending.unscaled_found_inf
 
     def _unscale(
@@ -577,7 +555,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         (unless ``unscaled``) and check; return ``found_inf``."""
         if not unscaled and not self.loss_scaler.take_scaled(self):
             refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
-        if self._master is not None and not fused:
+        if not fused:
             self._master.grads_to_masters()
         coalesce_sparse_half_grads_(params)
         grads = [p.grad for p in params]
@@ -585,11 +563,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             one = torch.ones((), dtype=torch.float32, device=self.loss_scaler.device)
             return unscale_and_check_(grads, one)
         used, self._pending.scale_used = self._pending.scale_used, None
-        if (
-            isinstance(self._master, MasterWeights)
-            and self.loss_scaler.fixed_at_one
-            and self._factor() == 1.0
-        ):
+        if self.loss_scaler.fixed_at_one and self._factor() == 1.0:
             # Check only: the masters' gradients are exact copies of the model's (bfloat16
             # O2, unscaled), so either holds this step's infs and NaNs.
             grads = self._master.gradients_to_check()
@@ -602,39 +576,39 @@ class LossScaleOptimizer(OptimizerWrapper):
         found_inf, self._pending.unscaled_found_inf = self._pending.unscaled_found_inf, None
         if found_inf is None:
             found_inf = self._unscale(params, unscaled, fused)
-        elif isinstance(self._master, MasterWeights):  # unscale_() showed the masters
+        else:  # unscale_() showed the masters in the model
             self._master.restore_model()  # the gradients as the user left them
         if self._accumulator is not None:
             found_inf = self._accumulator.window(params, found_inf)
         # All ranks' verdict, before anything is applied (None: the window is not full).
         return agree_on_found_inf(found_inf, self.process_group)
 
-    def _fused_master(self, unscaled: bool, step_kwargs: dict[str, Any] | None) -> Any:
-        """The masters (or the lean level's updates) when this step can be their fused
-        one (no float32 master gradient needed in memory: see ``MasterWeights.fused``)
-        and nothing must see the gradients unscaled before it, else ``None``."""
-        master = self._master
-        if (
-            not isinstance(master, (MasterWeights, LeanUpdates))
-            or unscaled
-            or step_kwargs
-            or self._pending.unscaled_found_inf is not None
-            or self._accumulator is not None
-            or (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None)
-            or not (self.loss_scaler.fixed_at_one and self._factor() == 1.0)
-        ):
-            return None
-        return master if master.fuses() else None
-
-    def _checked_in_step(self, fused: Any) -> bool:
-        """Whether the fused step (masters' or lean's) checks the gradients itself, in
-        its compiled graph (:data:`CPU_CHECK_IN_STEP`): it skips on a non-finite
-        gradient, and no other rank's verdict must be heard first."""
+    def _fuses(self, unscaled: bool, step_kwargs: dict[str, Any] | None) -> bool:
+        """Whether this step is the masters' fused one: no float32 master gradient is
+        needed in memory (see ``MasterWeights.fused``) and nothing must see the
+        gradients unscaled before it."""
         return (
-            CPU_CHECK_IN_STEP
-            and fused is not None
-            and self.skip_nonfinite
-            and self.loss_scaler.device.type == "cpu"
+            not unscaled
+            and not step_kwargs
+            and self._pending.unscaled_found_inf is None
+            and self._accumulator is None
+            and (self.clipvalue, self.clipnorm, self.global_clipnorm) == (None, None, None)
+            and self.loss_scaler.fixed_at_one
+            and self._factor() == 1.0
+            and self._master.fuses()
+        )
+
+    def _checks_in_step(self) -> bool:
+        """Whether a fused step checks the gradients itself, in its compiled graph, on a
+        CPU (:func:`~mixprec.numerics.cpu_shortcuts`): a reduction per gradient before
+        anything is written, about 200 us less a step than a check apart from it for a
+        31-tensor model. It skips on a non-finite gradient, so it must skip
+        (``skip_nonfinite``) and hear no other rank's verdict first. A GPU keeps the
+        check apart (about six launches; the graph's reductions would be as many
+        launches as its loops)."""
+        return (
+            self.skip_nonfinite
+            and cpu_shortcuts(self.loss_scaler.device)
             and reduction_group(self.process_group) is None
         )
 
@@ -643,49 +617,33 @@ class LossScaleOptimizer(OptimizerWrapper):
         params: list[torch.Tensor],
         found_inf: torch.Tensor | None,
         step_kwargs: dict[str, Any] | None = None,
-        fused: Any = None,
+        fused: bool = False,
     ) -> tuple[bool, torch.Tensor]:
-        """Clip, decay, step (or skip), EMA, copy back, count; leave the scale alone.
-        Returns (whether the step is known on the host to have been skipped, the
-        verdict it went by). ``fused``: the masters whose fused step this is (decay
-        folded in, nothing to copy back); ``found_inf`` ``None``: their step checks the
-        gradients itself (:meth:`_checked_in_step`)."""
-        if found_inf is None:
-            skipped, verdict = fused.fused_step(None, True, self.decoupled_weight_decay)
+        """Clip, step (or skip; decay included), EMA, copy back, count; leave the scale
+        alone. Returns (whether the step is known on the host to have been skipped, the
+        verdict it went by). ``found_inf`` is ``None`` only for a ``fused`` step that
+        checks the gradients itself (:meth:`_checks_in_step`): nothing is clipped then,
+        and the step's own verdict is counted."""
+        if found_inf is not None:
+            if not self.skip_nonfinite:
+                found_inf = torch.zeros_like(found_inf)
+            if (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None):
+                with torch.no_grad():
+                    self._clip(params)  # norms are the whole model's, across shards
+        # 1 on an applied step, 0 on a skipped one: decay and EMA multiply by it.
+        applied = (1.0 - found_inf if found_inf is not None
+                   and (self.decoupled_weight_decay or self._ema) else None)  # fmt: skip
+        skipped, verdict = self._master.step(
+            found_inf, skip=self.skip_nonfinite, weight_decay=self.decoupled_weight_decay,
+            applied=applied, step_kwargs=step_kwargs, fused=fused,
+        )  # fmt: skip
+        if found_inf is None:  # the fused step's own verdict (none: no gradients)
             found_inf = (verdict if verdict is not None else
                          torch.zeros((), dtype=torch.float32, device=self.loss_scaler.device))  # fmt: skip
-            if self._ema is not None:
-                self._ema.update(params, 1.0 - found_inf,
-                                 self._counters.applied.to(found_inf.device))  # fmt: skip
-            self._counters.record(found_inf)
-            return skipped, found_inf
-        if not self.skip_nonfinite:
-            found_inf = torch.zeros_like(found_inf)
-        # 1 on an applied step, 0 on a skipped one: decay and EMA multiply by it.
-        applied = 1.0 - found_inf if self.decoupled_weight_decay or self._ema else None
-        lean = self._master if isinstance(self._master, LeanUpdates) else None
-        with torch.no_grad():
-            if (self.clipvalue, self.clipnorm, self.global_clipnorm) != (None, None, None):
-                self._clip(params)  # norms are the whole model's, across shards
-            if (
-                self.decoupled_weight_decay and lean is None and fused is None
-                and applied is not None
-            ):  # fmt: skip
-                decay_(self._inner.param_groups, self.decoupled_weight_decay, applied)
-        if fused is not None:
-            skipped, _ = fused.fused_step(
-                found_inf, self.skip_nonfinite, self.decoupled_weight_decay)  # fmt: skip
-        elif lean is None:
-            _, skipped = step_or_skip(
-                self._inner, found_inf, skip=self.skip_nonfinite, kwargs=step_kwargs
-            )
-        else:  # decay is folded into the lean update, where bfloat16 keeps it
-            skipped = lean.step(
-                found_inf, self.skip_nonfinite, self.decoupled_weight_decay, step_kwargs
-            )
+            applied = 1.0 - found_inf if self._ema is not None else None
         if self._ema is not None and applied is not None:
             self._ema.update(params, applied, self._counters.applied.to(applied.device))
-        if self._master is not None and fused is None:
+        if not fused:
             self._master.masters_to_model()
         self._counters.record(found_inf)
         return skipped, found_inf
@@ -706,17 +664,17 @@ class LossScaleOptimizer(OptimizerWrapper):
     def _step(self, unscaled: bool = False, step_kwargs: dict[str, Any] | None = None) -> None:
         """The step on the gradients in ``.grad``: still scaled, or already ``unscaled``."""
         params = self._stepped_params()
-        fused = self._fused_master(unscaled, step_kwargs)
-        if self._checked_in_step(fused):  # what _unscale does, but the check
+        fused = self._fuses(unscaled, step_kwargs)
+        if fused and self._checks_in_step():  # what _unscale does, but the check
             if not self.loss_scaler.take_scaled(self):
                 refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
             self._pending.scale_used = None  # (1, as the scale is fixed at one)
-            found_inf = None
+            skipped, found_inf = self._apply(params, None, step_kwargs, fused)
         else:
-            found_inf = self._prepare(params, unscaled, fused is not None)
-            if found_inf is None:  # inside an accumulation window: nothing changes yet
+            window = self._prepare(params, unscaled, fused)
+            if window is None:  # inside an accumulation window: nothing changes yet
                 return
-        skipped, found_inf = self._apply(params, found_inf, step_kwargs, fused)
+            skipped, found_inf = self._apply(params, window, step_kwargs, fused)
         self.loss_scaler.update(found_inf=found_inf)
         self.loss_scaler.observe_step(skipped)  # may raise ScaleCollapseError
 
@@ -748,8 +706,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         if self._pending.unscaled_found_inf is not None:
             found_inf, self._pending.unscaled_found_inf = self._pending.unscaled_found_inf, None
             self.loss_scaler.update(found_inf=agree_on_found_inf(found_inf, self.process_group))
-        if self._master is not None:
-            self._master.zero_grad(set_to_none)
+        self._master.zero_grad(set_to_none)
         self._inner.zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -800,15 +757,14 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     def model_params(self) -> list[torch.Tensor]:
         """The model's own parameters (not their float32 masters), in group order."""
-        return self._master.model_params if self._master else self._stepped_params()
+        return self._master.model_params
 
     def copy_ema_to_params(self) -> None:
         """Overwrite the parameters with their moving averages (needs ``use_ema=True``)."""
         if self._ema is None:
             raise ValueError("copy_ema_to_params() needs use_ema=True on this optimizer")
         self._ema.copy_into(self._stepped_params())
-        if self._master is not None:
-            self._master.masters_to_model()
+        self._master.masters_to_model()
 
     # -- gradient accumulation under DDP / FSDP2 ----------------------------------------
 
@@ -883,6 +839,12 @@ class LossScaleOptimizer(OptimizerWrapper):
         "accumulation": ("gradient accumulation", "gradient_accumulation_steps"),
     }
 
+    def _part(self, attr: str) -> Any:
+        """The optional part at ``attr``, or ``None`` where there is none (masters that
+        keep nothing, as with ``master_weights=False``, count as none)."""
+        part = getattr(self, attr)
+        return None if part is None or getattr(part, "stateful", True) is False else part
+
     def _own_state_dict(self) -> dict[str, Any]:
         if self._held_grads:
             raise RuntimeError(
@@ -895,7 +857,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             "counters": self._counters.state_dict(),
         }
         for key, attr in self._PARTS:
-            part = getattr(self, attr)
+            part = self._part(attr)
             own[key] = None if part is None else part.state_dict()
         return {**self._inner.state_dict(), "mixprec": own}
 
@@ -904,7 +866,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         if own is not None:  # everything is checked before anything changes
             checked_loss_scale(self.loss_scaler, own["loss_scale"])
             for key, attr in self._PARTS:
-                part = getattr(self, attr)
+                part = self._part(attr)
                 if (own[key] is None) != (part is None):
                     what, option = self._PART_OPTIONS[key]
                     raise ValueError(
@@ -922,7 +884,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         restore_loss_scale(self.loss_scaler, own["loss_scale"])
         self._counters.load_state_dict(own["counters"])
         for key, attr in self._PARTS:
-            part = getattr(self, attr)
+            part = self._part(attr)
             if part is not None:
                 part.load_state_dict(own[key])
 

@@ -17,21 +17,19 @@ import torch
 
 from mixprec._checks import check_number
 from mixprec.loss_scale import step_or_skip
-from mixprec.optim._masters import MasterWeights, SplitMasterWeights
-from mixprec.optim._split8 import Split8MasterWeights
+from mixprec.numerics import any_nonfinite
+from mixprec.optim._adamw8bit import AdamW8bit
+from mixprec.optim._clipping import clip_gradients_
+from mixprec.optim.masters import MODES, MasterMode
 
-__all__ = ["GradientRelease", "RELEASE_MASTER_MODES"]
 
-#: ``master_weights=`` values gradient release takes (per parameter, bfloat16 or float16).
-RELEASE_MASTER_MODES: dict[Any, type[MasterWeights] | None] = {
-    False: None, "fp32": MasterWeights, "split": SplitMasterWeights, "split8": Split8MasterWeights,
-}  # fmt: skip
+def _option(row: MasterMode) -> bool | str:
+    return False if row.name == "none" else row.name
 
 
 class GradientRelease:
-    """Step every parameter during ``backward()``, as its gradient lands; free the gradient.
-
-    Optimizer steps applied per parameter inside the backward pass (gradient release).
+    """Step every parameter during ``backward()``, as its gradient lands; free the
+    gradient: optimizer steps applied per parameter inside the backward pass.
 
     ``optimizer_factory(params)`` builds the optimizer of one parameter (it is called
     once per parameter with a one-element list); ``master_weights`` (``False``,
@@ -126,10 +124,12 @@ class GradientRelease:
         check_number("clipvalue", clipvalue, minimum=0, exclusive=True, allow_none=True)
         if master_weights is True:
             master_weights = "fp32"
-        if not isinstance(master_weights, (bool, str)) or master_weights not in RELEASE_MASTER_MODES:
+        released = {_option(row): row for row in MODES.values() if row.release}
+        if not isinstance(master_weights, (bool, str)) or master_weights not in released:
+            whole = tuple(row.name for row in MODES.values() if not row.release)
             raise ValueError(
-                f"master_weights must be one of False, 'fp32', 'split', 'split8' with gradient "
-                f"release, got {master_weights!r}; the lean modes ('kahan', 'stochastic') step "
+                f"master_weights must be one of {', '.join(map(repr, released))} with gradient "
+                f"release, got {master_weights!r}; the lean modes {whole} step "
                 "whole optimizers: use them through LossScaleOptimizer"
             )
         if not callable(optimizer_factory):
@@ -153,7 +153,8 @@ class GradientRelease:
                 named.append((name, p))
         if not named:
             raise ValueError("gradient release needs at least one parameter that requires grad")
-        master_class = RELEASE_MASTER_MODES[master_weights]
+        row = released[master_weights]
+        master_class = None if row.name == "none" else row
         low = [p for _, p in named if p.dtype in (torch.float16, torch.bfloat16)]
         if master_class is not None:  # every parameter is checked before anything is built
             if not low:
@@ -166,13 +167,13 @@ class GradientRelease:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.optimizers: list[torch.optim.Optimizer] = []
-        self.masters: list[MasterWeights | None] = []
+        self.masters: list[Any] = []
         for name, p in named:
             opt = optimizer_factory([p])
             self._check_optimizer(name, p, opt)
             self.optimizers.append(opt)
             mastered = master_class is not None and p.dtype in (torch.float16, torch.bfloat16)
-            self.masters.append(master_class(opt) if mastered and master_class else None)
+            self.masters.append(master_class.build(opt) if mastered and master_class else None)
         self.master_weights = master_weights
         self.clipnorm, self.clipvalue, self.loss_scale = clipnorm, clipvalue, loss_scale
         device = self.params[0].device
@@ -218,12 +219,8 @@ class GradientRelease:
                 return
             if self.loss_scale is not None:
                 grad.div_(self.loss_scale)
-            found_inf = (~torch.isfinite(grad).all()).to(torch.float32)
-            if self.clipvalue is not None:
-                grad.clamp_(-self.clipvalue, self.clipvalue)
-            if self.clipnorm is not None:
-                norm = torch.linalg.vector_norm(grad.float())
-                grad.mul_((self.clipnorm / (norm + 1e-6)).clamp(max=1.0).to(grad.dtype))
+            found_inf = any_nonfinite([grad], grad.device)  # the wrapper's check
+            clip_gradients_([grad], self.clipvalue, self.clipnorm)  # LossScaleOptimizer's rules
             step_or_skip(opt, found_inf, skip=True)
             self._flags[index] = found_inf
             if master is not None:
@@ -280,7 +277,6 @@ class GradientRelease:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s output; everything is checked before anything changes."""
-        from mixprec.optim._compressed_adamw import AdamW8bit
         from mixprec.optim._loss_scale_optimizer import _check_same_layout
 
         keys = {"optimizers", "masters", "skipped_steps"}

@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 
 from mixprec._checks import as_low_precision, check_bool, check_number
-from mixprec.amp._casting import claim_model, model_api
+from mixprec.amp._claim import claim_model, model_api
 from mixprec.rewrite._capture import capture
 from mixprec.rewrite._casts import apply_plan
 from mixprec.rewrite._lazy import DEFAULT_MAX_CAPTURES, LazyRewrite
@@ -27,8 +27,6 @@ from mixprec.rewrite._lists import AmpLists, check_level
 from mixprec.rewrite._outputs import attach_output_structure
 from mixprec.rewrite._paint import paint
 from mixprec.rewrite._plan import minimize_casts
-
-__all__ = ["rewrite"]
 
 
 def _check_dtype(dtype: Any) -> torch.dtype:

@@ -50,8 +50,6 @@ from mixprec.rewrite._modes import follow_training_mode
 from mixprec.rewrite._nodes import mutated_arg_names
 from mixprec.rewrite._outputs import OutputTypeError, Structure, flatten_output, needs_flattening
 
-__all__ = ["CaptureError", "Captured", "capture", "normalize_example_inputs"]
-
 # Traced through by the fallback tracer, so their weights become graph inputs that
 # the rewrite can cast; every other torch.nn module stays one call in the graph.
 _TRACE_THROUGH = (

@@ -46,8 +46,6 @@ from mixprec.rewrite._nodes import (
 from mixprec.rewrite._paint import Painting
 from mixprec.rewrite._plan import CastPlan
 
-__all__ = ["CAST_OP", "apply_plan", "simplify_casts"]
-
 CAST_OP = torch.ops.aten.to.dtype
 _F32 = torch.float32
 _LOW = (torch.float16, torch.bfloat16)

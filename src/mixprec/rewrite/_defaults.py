@@ -8,7 +8,6 @@ The four contested entries are decided here, each with its reason next to it:
 (True, True, True, True, True)
 """
 
-__all__ = ["ALLOW", "CLEAR", "DENY", "INFER"]
 
 ALLOW = frozenset(
     {

@@ -27,8 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mixprec.rewrite._lazy import LazyRewrite
 from mixprec.rewrite._paint import FLOAT8_REASON
 
-__all__ = ["CastCounter", "ReportRow", "RewriteReport", "count_casts", "explain"]
-
 _COLUMNS = ("module", "node", "op", "list", "colour", "reason")
 
 

@@ -42,8 +42,6 @@ from torch.utils import _pytree as pytree
 
 from mixprec.rewrite._capture import CaptureError
 
-__all__ = ["LazyRewrite", "RecaptureLimitError", "DEFAULT_MAX_CAPTURES"]
-
 #: How many graphs a lazily rewritten model captures before it refuses (torch.compile's
 #: recompile limit is also 8).
 DEFAULT_MAX_CAPTURES = 8

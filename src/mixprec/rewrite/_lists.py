@@ -46,18 +46,6 @@ import torch
 
 from mixprec.rewrite._defaults import ALLOW, CLEAR, DENY, INFER
 
-__all__ = [
-    "ALLOW",
-    "CLEAR",
-    "DENY",
-    "INFER",
-    "PAINT_LEVELS",
-    "LIST_NAMES",
-    "AmpLists",
-    "check_level",
-    "normalize_op_name",
-]
-
 LIST_NAMES = ("allow", "infer", "deny", "clear")
 
 PAINT_LEVELS = {

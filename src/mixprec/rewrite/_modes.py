@@ -35,8 +35,6 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-__all__ = ["TrainingFlag", "count_batch_if_training", "follow_training_mode", "p_if_training"]
-
 FLAG_NAME = "training_flag"
 
 _DROPOUT_OPS = {

@@ -28,22 +28,6 @@ from torch.fx import Node
 
 from mixprec.rewrite._lists import normalize_op_name
 
-__all__ = [
-    "PROMOTING",
-    "SHAPE_ONLY",
-    "arg_items",
-    "cast_target",
-    "float_outputs",
-    "is_float32_tensor",
-    "is_tuple_getitem",
-    "module_path",
-    "mutated_arg_names",
-    "op_name",
-    "state_arg_names",
-    "tensor_dtype",
-    "tensor_ndim",
-]
-
 # Ops that only read a tensor's shape or metadata: they accept any dtype.
 SHAPE_ONLY = frozenset(
     {

@@ -44,16 +44,6 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-__all__ = [
-    "OUTPUT_STRUCTURE_NAME",
-    "OutputStructure",
-    "OutputTypeError",
-    "Structure",
-    "attach_output_structure",
-    "flatten_output",
-    "needs_flattening",
-]
-
 #: The submodule of a rewritten graph that rebuilds its output.
 OUTPUT_STRUCTURE_NAME = "output_structure"
 

@@ -60,8 +60,6 @@ from mixprec.rewrite._nodes import (
     op_name,
 )
 
-__all__ = ["Painting", "paint"]
-
 # Rules that paint a vertex only to save casts or keep neighbours together; the
 # cast planner may return such a vertex to float32 when that saves casts.
 FLEXIBLE_RULES = frozenset({"clear-region", "follows-allow"})

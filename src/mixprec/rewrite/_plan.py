@@ -61,8 +61,6 @@ from mixprec.rewrite._nodes import (
 )
 from mixprec.rewrite._paint import Painting
 
-__all__ = ["CastPlan", "minimize_casts", "plan_casts"]
-
 _F32 = torch.float32
 _BIAS_OPS = frozenset({"linear", "conv1d", "conv2d", "conv3d"})
 

@@ -20,11 +20,6 @@ import sys
 
 import torch
 
-__all__ = [
-    "max_rss_mib", "proc_status_mib", "current_rss_mib", "peak_rss_mib", "reset_peak_rss",
-    "live_tensor_bytes", "live_plain_tensors",
-]  # fmt: skip
-
 
 def max_rss_mib() -> float:
     """``ru_maxrss`` in MiB (see the module docstring for why it may overstate)."""

@@ -40,8 +40,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_on_ranks"]
-
 ADDRESS = "127.0.0.1"
 
 

@@ -7,8 +7,8 @@ from an accelerator to the CPU. All of those reach the dispatcher as
 accelerator and whose destination is the CPU. :class:`HostSyncCounter` counts them
 with a ``TorchDispatchMode``, so it works on CPU too, where a "sync" costs nothing
 but is still the place that would stall a GPU. While it counts, CPU-only host reads
-that a GPU run does not make are off (the finite check's
-:data:`~mixprec.numerics.CPU_NORM_PREFILTER`).
+that a GPU run does not make are off, as under any dispatch mode
+(:func:`~mixprec.numerics.cpu_shortcuts`).
 
 >>> import torch
 >>> x = torch.ones(3)
@@ -25,10 +25,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from mixprec import numerics
-
-__all__ = ["HostSyncCounter"]
 
 _SCALAR_READS = {torch.ops.aten._local_scalar_dense.default}
 _COPIES = {torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default}
@@ -55,14 +51,6 @@ class HostSyncCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
         self.events: list[str] = []
-
-    def __enter__(self) -> HostSyncCounter:
-        self._prefilter, numerics.CPU_NORM_PREFILTER = numerics.CPU_NORM_PREFILTER, False
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        numerics.CPU_NORM_PREFILTER = self._prefilter
-        super().__exit__(*exc)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None

@@ -62,19 +62,6 @@ import torch
 from mixprec.train._atomic import atomic_write
 from mixprec.train.callbacks import CallbackList, RunState
 
-__all__ = [
-    "CHECKPOINT_FORMAT",
-    "CheckpointError",
-    "UnsafeCheckpointError",
-    "CorruptCheckpointError",
-    "save_checkpoint",
-    "read_checkpoint",
-    "load_checkpoint",
-    "newest_readable",
-    "check_plain_data",
-    "loader_generator",
-]
-
 #: The ``format`` entry of every checkpoint this module writes.
 CHECKPOINT_FORMAT = "mixprec-checkpoint-1"
 

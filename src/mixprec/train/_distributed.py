@@ -44,16 +44,6 @@ from mixprec.train._loop import Model
 from mixprec.train.callbacks import Callback, CSVLogger, ModelCheckpoint, ProgressBar
 from mixprec.train.metrics import Metric
 
-__all__ = [
-    "DistributedModel",
-    "for_this_rank",
-    "is_distributed",
-    "is_main_process",
-    "process_group_from_env",
-    "run_on_main",
-    "shard_loader",
-]
-
 #: Callbacks that print or write files: rank 0's alone.
 WRITERS = (ProgressBar, CSVLogger, ModelCheckpoint)
 

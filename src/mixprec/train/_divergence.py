@@ -38,14 +38,6 @@ from mixprec._checks import check_instance, check_number
 from mixprec.numerics import any_nonfinite
 from mixprec.train.callbacks import RunState
 
-__all__ = [
-    "DivergenceError",
-    "SkippedStepsError",
-    "DivergenceGuard",
-    "check_skipped",
-    "resolve_guard",
-]
-
 _ADVICE = (
     "try a lower learning rate, gradient clipping, bfloat16 instead of float16, or a "
     "level that keeps float32 master weights (O2)"

@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec._checks import as_low_precision, check_bool, check_choice, check_instance, check_number
-from mixprec.amp._levels import choose_auto
-from mixprec.loss_scale import default_loss_scale, loss_scale_from_spec
+from mixprec.amp._auto import choose_auto
+from mixprec.amp._level_specs import spec_of
+from mixprec.loss_scale import loss_scale_from_spec
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim._masters import master_weight_mode
+from mixprec.optim.masters import master_weight_mode
 from mixprec.train import _checkpoint as checkpoint
 from mixprec.train._divergence import DivergenceGuard, resolve_guard
 from mixprec.train._names import AMP_LEVELS
@@ -48,7 +49,6 @@ from mixprec.train.metrics import build_metric
 if TYPE_CHECKING:
     from mixprec.typing import MasterWeights as MasterWeightsOption
 
-__all__ = ["Model", "AMP_LEVELS", "resolve_dtype", "resolve_device", "default_low_precision_dtype"]
 
 
 def resolve_device(device: Any) -> torch.device:
@@ -90,7 +90,7 @@ def check_master_weights_option(value: Any, amp_level: str) -> Any:
     if value is None:
         return None
     mode = master_weight_mode(value)
-    if amp_level == "rewrite" and mode:
+    if mode and spec_of(amp_level).forward == "rewrite":
         raise ValueError(
             f"master_weights={value!r} with amp_level='rewrite': the rewrite keeps float32 "
             "parameters, so there is nothing to keep masters of; use amp_level='O2', 'O3' "
@@ -172,7 +172,7 @@ class Model:
     ) -> None:
         check_instance("network", network, torch.nn.Module, "a torch.nn.Module")
         check_choice("amp_level", amp_level, AMP_LEVELS)
-        if amp_level == "auto" and dtype is not None:
+        if spec_of(amp_level).by_hardware and dtype is not None:
             raise ValueError(
                 f"dtype={dtype!r} with amp_level='auto': auto picks the dtype by the hardware; "
                 "leave dtype out, or name a level (e.g. 'O2') to choose the dtype yourself"
@@ -191,7 +191,7 @@ class Model:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.auto_reason: str | None = None
-        if amp_level == "auto":
+        if spec_of(amp_level).by_hardware:
             amp_level, low, self.auto_reason = choose_auto(self.device)
             self.dtype = low if low != torch.float32 else self.dtype  # O0 ignores dtype
         self.amp_level = amp_level
@@ -206,7 +206,7 @@ class Model:
         self._generator: torch.Generator | None = None
         self._ready, self._compile = False, check_bool("compile", compile)
         self._master_weights = check_master_weights_option(master_weights, amp_level)
-        if amp_level != "rewrite":
+        if spec_of(amp_level).forward != "rewrite":  # the rewrite is built at the first batch
             self._prepare(None)
 
     # -- building the mixed-precision network ------------------------------------------
@@ -216,9 +216,10 @@ class Model:
         if self._ready:
             return
         optimizer = self._raw_optimizer
-        if isinstance(optimizer, LossScaleOptimizer) and self.amp_level == "O0":
+        spec = spec_of(self.amp_level)
+        if isinstance(optimizer, LossScaleOptimizer) and not spec.low_precision:
             self.optimizer = optimizer
-        elif self.amp_level == "rewrite":
+        elif spec.forward == "rewrite":
             from mixprec.rewrite import rewrite
 
             example = _example_batch(dataset).to(self.device)
@@ -229,7 +230,7 @@ class Model:
                     if isinstance(optimizer, LossScaleOptimizer)
                     else LossScaleOptimizer(
                         optimizer,
-                        loss_scale=self._loss_scale or default_loss_scale("rewrite", self.dtype),
+                        loss_scale=self._loss_scale or spec.default_loss_scale(self.dtype),
                     )
                 )
         else:

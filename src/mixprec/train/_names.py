@@ -5,9 +5,10 @@ help (and ``--version``) print without importing torch. :mod:`mixprec.train._loo
 :mod:`mixprec.train.models` export them as ``AMP_LEVELS`` and ``MODEL_NAMES``.
 """
 
-__all__ = ["AMP_LEVELS", "MODEL_NAMES"]
 
-#: The ``amp_level`` values :class:`mixprec.train.Model` accepts.
+#: The ``amp_level`` values :class:`mixprec.train.Model` accepts: the names of
+#: ``mixprec.amp.LEVEL_SPECS``, written out here since that table needs torch (a test
+#: checks they match).
 AMP_LEVELS = ("O0", "O1", "O2", "O3", "lean", "auto", "rewrite")
 #: The names :func:`mixprec.train.models.build_model` builds (checked there at import).
 MODEL_NAMES = ("lenet5", "mlp", "transformer")

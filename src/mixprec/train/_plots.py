@@ -18,8 +18,6 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["plot_loss", "plot_accuracy", "plot_loss_scale", "plot_comparison", "read_plot_data"]
-
 DATA_KEY = "mixprec-data"
 
 

@@ -22,8 +22,6 @@ from torch import nn
 from mixprec._checks import check_instance
 from mixprec.optim import LossScaleOptimizer
 
-__all__ = ["TrainStep"]
-
 
 class TrainStep:
     """``step(*inputs, target) -> loss``: one optimizer step on one batch.

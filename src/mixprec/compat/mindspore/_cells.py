@@ -32,15 +32,6 @@ from mixprec.loss_scale import NoOpLossScale
 from mixprec.optim import LossScaleOptimizer
 from mixprec.train._step import TrainStep
 
-__all__ = [
-    "Momentum",
-    "SoftmaxCrossEntropyWithLogits",
-    "WithLossCell",
-    "TrainOneStepCell",
-    "CustomTrainOneStepCell",
-    "build_train_network",
-]
-
 
 class Momentum(torch.optim.SGD):
     """``nn.Momentum(params, learning_rate, momentum, weight_decay=0.0, loss_scale=1.0,

@@ -39,12 +39,6 @@ from mixprec.loss_scale import DynamicLossScale, LossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
 from mixprec.train._step import TrainStep
 
-__all__ = [
-    "FixedLossScaleUpdateCell",
-    "DynamicLossScaleUpdateCell",
-    "TrainOneStepWithLossScaleCell",
-]
-
 
 def _overflow_flag(overflow: Any, device: torch.device) -> torch.Tensor:
     """``overflow`` (a bool or a one-element tensor) as the core's 0/1 float flag."""

@@ -39,13 +39,6 @@ from mixprec.compat.mindspore._loss_scale_cells import (
 )
 from mixprec.loss_scale import DynamicLossScale, LossScale, StaticLossScale, loss_scale_from_spec
 
-__all__ = [
-    "LossScaleManager",
-    "FixedLossScaleManager",
-    "DynamicLossScaleManager",
-    "resolve_loss_scale",
-]
-
 
 class LossScaleManager:
     """What every manager offers: the current scale, its update, and the overflow policy."""

@@ -19,8 +19,6 @@ from mixprec.loss_scale import NoOpLossScale
 from mixprec.optim import LossScaleOptimizer
 from mixprec.train._loop import Model as _CoreModel
 
-__all__ = ["Model"]
-
 
 class Model(_CoreModel):
     """``mindspore.Model(network, loss_fn=None, optimizer=None, metrics=None,

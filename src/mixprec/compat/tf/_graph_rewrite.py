@@ -13,8 +13,6 @@ from mixprec.compat.tf._optimizer import LossScaleOptimizer
 from mixprec.optim import LossScaleOptimizer as _CoreLossScaleOptimizer
 from mixprec.policy import global_policy
 
-__all__ = ["enable_mixed_precision_graph_rewrite"]
-
 
 def _check_no_mixed_policy() -> None:
     # As in TensorFlow: a mixed global policy means the policy API is in use, and

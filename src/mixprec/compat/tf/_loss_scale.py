@@ -25,8 +25,6 @@ from mixprec import loss_scale as core
 from mixprec._checks import check_number
 from mixprec.numerics import any_nonfinite
 
-__all__ = ["DynamicLossScale", "FixedLossScale", "loss_scale_config", "loss_scale_from_config"]
-
 
 def _flatten(grads: Any) -> list[Any]:
     """The leaves of a nested list/tuple/dict of gradients (TF's ``nest.flatten``)."""

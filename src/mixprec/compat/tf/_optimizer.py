@@ -27,8 +27,6 @@ from mixprec.compat._optimizer_config import optimizer_config, optimizer_from_co
 from mixprec.compat.tf._loss_scale import DynamicLossScale, FixedLossScale, loss_scale_from_config
 from mixprec.optim import LossScaleOptimizer as _CoreLossScaleOptimizer
 
-__all__ = ["TFOptimizerAPI", "LossScaleOptimizer", "inner_from_config"]
-
 
 def inner_from_config(
     inner: Any, params: Any, custom_objects: Mapping[str, Any] | None

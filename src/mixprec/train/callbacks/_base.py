@@ -13,8 +13,6 @@ import torch
 
 from mixprec._checks import check_instance
 
-__all__ = ["RunState", "Callback", "CallbackList", "format_loss"]
-
 
 @dataclass
 class RunState:

@@ -14,8 +14,6 @@ import torch  # noqa: F401  (the doctests use it)
 from mixprec._checks import check_choice, check_instance, check_number
 from mixprec.train.callbacks._base import Callback, RunState, _emit
 
-__all__ = ["EarlyStopping", "ModelCheckpoint", "LRScheduler"]
-
 
 class EarlyStopping(Callback):
     """Stop training when ``state.metrics[monitor]`` stops improving.

@@ -29,8 +29,6 @@ from typing import Any
 
 from mixprec.train.callbacks._base import Callback, RunState
 
-__all__ = ["Float8Monitor"]
-
 
 class Float8Monitor(Callback):
     """Record each float8 layer's statistics at every epoch's end (see the module)."""

@@ -13,7 +13,6 @@ from mixprec.train.callbacks._base import Callback, RunState, _emit, format_loss
 if TYPE_CHECKING:
     from tqdm.auto import tqdm
 
-__all__ = ["LossMonitor", "LossScaleMonitor", "ProgressBar"]
 
 
 class LossMonitor(Callback):

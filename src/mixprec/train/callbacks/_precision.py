@@ -47,7 +47,6 @@ from mixprec.train.callbacks._base import Callback, RunState, _emit
 if TYPE_CHECKING:
     from mixprec.diagnostics._monitor import GradientMonitor
 
-__all__ = ["PrecisionMonitor"]
 
 _LISTED = 3  # layer names printed per overflow line before "and N more"
 

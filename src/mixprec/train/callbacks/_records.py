@@ -12,8 +12,6 @@ from mixprec._checks import check_instance
 from mixprec.train._atomic import append_text, atomic_write
 from mixprec.train.callbacks._base import Callback, RunState
 
-__all__ = ["History", "CSVLogger", "MISSING"]
-
 #: What :class:`CSVLogger` writes for a value an epoch did not report.
 MISSING = "nan"
 

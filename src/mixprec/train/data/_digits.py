@@ -21,8 +21,6 @@ from mixprec._checks import check_choice, check_instance, check_number
 
 from ._validate import DataError
 
-__all__ = ["load_digits", "stratified_split", "DIGITS_NUM_CLASSES", "DIGITS_MAX_PIXEL"]
-
 #: Number of classes in the digits data set (the digits 0..9).
 DIGITS_NUM_CLASSES = 10
 #: Largest pixel value in the digits data set: each pixel counts "on" bits in a 4x4 block.

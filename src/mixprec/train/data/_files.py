@@ -34,8 +34,6 @@ from mixprec._checks import check_instance
 
 from ._validate import DataError, DataFileNotFoundError, check_arrays
 
-__all__ = ["load_npz", "load_csv"]
-
 #: Name of the label column in a CSV file with a header (compared case-insensitively).
 LABEL_COLUMN = "label"
 

@@ -23,8 +23,6 @@ from mixprec._checks import check_instance, check_number
 from ._digits import _check_seed, load_digits, stratified_split
 from ._validate import DataError
 
-__all__ = ["make_loaders", "train_test_loaders", "train_val_test_loaders", "VAL_FRACTION"]
-
 #: The share of the training part :func:`train_val_test_loaders` holds out for validation.
 VAL_FRACTION = 0.1
 

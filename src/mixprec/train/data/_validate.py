@@ -19,8 +19,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["DataError", "DataFileNotFoundError", "check_arrays", "infer_num_classes"]
-
 
 class DataError(ValueError):
     """Raised when a data set is missing, malformed or has invalid labels.
