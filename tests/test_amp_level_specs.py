@@ -67,7 +67,6 @@ def test_the_specs_and_the_table_are_read_only():
         ("bfloat16_loss_scale", 2.0),
         ("master_weights", "fp64"),
         ("master_weights", True),  # the canonical spelling only: "fp32"
-        ("optimizer_state", "bfloat16"),
         ("alias_of", "O2"),  # itself
         ("amp", "yes"),
     ],
@@ -82,7 +81,6 @@ def test_a_bad_field_is_a_value_error_naming_it(field, value):
     "base, changes, field",
     [
         ("O0", {"master_weights": "fp32"}, "master_weights"),  # float32 storage: no masters
-        ("O1", {"optimizer_state": "low"}, "optimizer_state"),
         ("O0", {"storage": "low"}, "storage"),  # a float32 forward stores float32
         ("O0", {"float16_loss_scale": "dynamic"}, "float16_loss_scale"),
         ("O2", {"forward": None}, "forward"),  # None in some per-level fields, not all
@@ -96,7 +94,7 @@ def test_fields_that_contradict_each_other_are_refused(base, changes, field):
 
 def test_a_new_level_is_one_spec():
     made = LevelSpec("O3-scaled", storage="low", forward="casts", float16_loss_scale="dynamic",
-                     bfloat16_loss_scale="none", master_weights=False, optimizer_state="low")  # fmt: skip
+                     bfloat16_loss_scale="none", master_weights=False)  # fmt: skip
     assert made.keep_norms_float32 is False and made.low_precision and not made.by_hardware
     spec = dataclasses.replace(LEVEL_SPECS["O2"], name="O2-kahan", master_weights="kahan")
     assert spec.master_weights == "kahan" and spec.default_loss_scale(torch.float16).kind == (
@@ -134,12 +132,49 @@ def test_the_default_masters_and_the_float16_state_rule(level):
     assert level_master_weights(level) == default
     for dtype in LOW:
         for masters in (False, "fp32", "kahan"):
-            old_rule = (
+            # The state is float16 where float16 parameters are stepped themselves: no
+            # masters, or kahan's compensated steps (not float32 masters), at any level
+            # that stores low-precision parameters.
+            rule = (
                 dtype == torch.float16
                 and level in ("O2", "O3", "lean")
-                and (level != "O2" or not masters)
+                and masters in (False, "kahan")
             )
-            assert float16_optimizer_state(level, dtype, masters) == old_rule
+            assert float16_optimizer_state(level, dtype, masters) == rule
+
+
+def _adamw_eps_1e_8():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+
+def test_o2_with_kahan_in_float16_refuses_an_eps_its_float16_state_cannot_hold():
+    # Kahan steps the float16 parameters themselves, so AdamW's moments are float16 and
+    # eps=1e-8 rounds to zero in them: the first steps turned the weights NaN or inf.
+    from mixprec import amp
+
+    net, opt = _adamw_eps_1e_8()
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(ValueError, match="eps=1e-08"):
+        amp.initialize(net, opt, "O2", torch.float16, master_weights="kahan")
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))  # nothing changed
+
+
+def test_o3_with_float32_masters_in_float16_keeps_float32_state_and_takes_eps_1e_8():
+    from mixprec import amp
+
+    net, opt = _adamw_eps_1e_8()
+    net, opt = amp.initialize(net, opt, "O3", torch.float16, master_weights="fp32")
+    x = torch.randn(16, 8, dtype=torch.float16)
+    for _ in range(3):
+        opt.scale_loss(net(x).float().square().mean()).backward()
+        opt.step()
+        opt.zero_grad()
+    assert int(opt.iterations) == 3
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+    state = opt.state_dict()["state"]
+    assert state and all(s["exp_avg"].dtype == torch.float32 for s in state.values())
 
 
 @pytest.mark.parametrize("level", ["O0", "O1"])

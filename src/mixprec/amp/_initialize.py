@@ -52,7 +52,9 @@ def _check_dtype(dtype: LowPrecision) -> torch.dtype:
     )
 
 
-def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int], level: str) -> None:
+def _check_optimizer_eps(
+    optimizer: torch.optim.Optimizer, low: set[int], level: str, masters: Any
+) -> None:
     """Refuse an ``eps`` that float16 optimizer state cannot hold (see :func:`initialize`)."""
     floor = torch.finfo(torch.float16).tiny
     for i, group in enumerate(optimizer.param_groups):
@@ -62,10 +64,11 @@ def _check_optimizer_eps(optimizer: torch.optim.Optimizer, low: set[int], level:
         if any(id(p) in low for p in group["params"]):
             raise ValueError(
                 f"optimizer param group {i} has eps={eps:g}, below float16's smallest normal "
-                f"number {floor:.3g}: {level} without float32 master weights keeps "
-                f"{type(optimizer).__name__}'s state in float16, "
+                f"number {floor:.3g}: {level} with master_weights={masters!r} steps the float16 "
+                f"parameters themselves and keeps {type(optimizer).__name__}'s state in float16, "
                 "where it rounds to ~0 and the first applied step makes the weights NaN/inf; "
-                "pass eps>=1e-4, use bfloat16, or O2 (float32 masters and optimizer state)"
+                "pass eps>=1e-4, use bfloat16, or master_weights='fp32' (float32 masters and "
+                "optimizer state)"
             )
 
 
@@ -242,7 +245,7 @@ def initialize(
                 "model.parameters()"
             )
     if optimizer is not None and float16_optimizer_state(level, dtype, masters):
-        _check_optimizer_eps(optimizer, low_params(model, plan), level)
+        _check_optimizer_eps(optimizer, low_params(model, plan), level, masters)
     if fp8_recipe:
         from mixprec.float8 import convert_to_float8  # float8 loads only when asked for
 

@@ -1,8 +1,9 @@
 """The amp levels as data: one frozen :class:`LevelSpec` per level, in :data:`LEVEL_SPECS`.
 
 A level's rules are fields of its spec: how it stores the parameters, how its forward
-runs in low precision, its default loss scale per dtype, its default master weights and
-the dtype of its optimizer's state. :func:`~mixprec.amp.initialize`, ``mixprec.Model``,
+runs in low precision, its default loss scale per dtype and its default master weights
+(what a master-weight mode itself implies, such as the dtype of the optimizer's state,
+is its row of :data:`mixprec.optim.masters.MODES`). :func:`~mixprec.amp.initialize`, ``mixprec.Model``,
 the command line, the trainer integrations and the level table of the levels guide
 (docs/guides/levels.md, checked against :func:`level_table` by the tests) read them
 rather than test level names. The guide says what each level is for.
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 import torch
 
 from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from mixprec.optim.masters import master_weight_mode
+from mixprec.optim.masters import MODES, master_weight_mode, mode_of
 
 if TYPE_CHECKING:
     from mixprec.typing import Level, MasterWeights, ModelLevel
@@ -38,9 +39,6 @@ Storage = Literal["float32", "low_norms_float32", "low"]
 Forward = Literal["float32", "autocast", "casts", "rewrite"]
 #: A default loss scale: dynamic scaling, or none (scale 1).
 ScaleKind = Literal["dynamic", "none"]
-#: The dtype of the optimizer's state (Adam's moments): float32; the low dtype when no
-#: master weights are kept; the low dtype whatever ``master_weights`` says.
-OptimizerState = Literal["float32", "low_without_masters", "low"]
 
 #: The fields a level decided by the hardware (``auto``) leaves ``None``, and every
 #: other level sets.
@@ -50,7 +48,6 @@ _PER_LEVEL = (
     "float16_loss_scale",
     "bfloat16_loss_scale",
     "master_weights",
-    "optimizer_state",
 )
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -58,7 +55,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "forward": get_args(Forward),
     "float16_loss_scale": get_args(ScaleKind),
     "bfloat16_loss_scale": get_args(ScaleKind),
-    "optimizer_state": get_args(OptimizerState),
 }
 
 
@@ -71,7 +67,7 @@ class LevelSpec:
     :func:`~mixprec.amp.choose_auto` names the concrete level whose spec then applies.
 
     >>> LevelSpec("O9", storage="low", forward="autocast", float16_loss_scale="dynamic",
-    ...           bfloat16_loss_scale="none", master_weights="fp64", optimizer_state="low")
+    ...           bfloat16_loss_scale="none", master_weights="fp64")
     Traceback (most recent call last):
     ...
     ValueError: LevelSpec 'O9': master_weights must be False or a mode name ..., got 'fp64'
@@ -90,9 +86,6 @@ class LevelSpec:
     bfloat16_loss_scale: ScaleKind | None
     #: The ``master_weights`` mode ``master_weights=None`` gives (``False``: none).
     master_weights: MasterWeights | None
-    #: The dtype of the optimizer's state (:data:`OptimizerState`): where it is float16,
-    #: an ``eps`` below float16's smallest normal number is refused (the eps rule).
-    optimizer_state: OptimizerState | None
     #: The level whose storage and casts this one has, with defaults of its own
     #: (``lean`` is O3 with Kahan-compensated updates).
     alias_of: str | None = None
@@ -123,8 +116,6 @@ class LevelSpec:
         if self.storage == "float32":
             if self.master_weights:
                 self._refuse("master_weights", "False with storage='float32'")
-            if self.optimizer_state != "float32":
-                self._refuse("optimizer_state", "'float32' with storage='float32'")
         if self.forward == "float32":
             if self.storage != "float32":
                 self._refuse("storage", "'float32' with forward='float32'")
@@ -204,16 +195,14 @@ def _check_table(specs: Mapping[str, LevelSpec]) -> None:
 _BY_NAME: dict[str, LevelSpec] = {
     spec.name: spec
     for spec in (
-        # name, storage, forward, float16 and bfloat16 loss scale, masters, optimizer state
-        LevelSpec("O0", "float32", "float32", "none", "none", False, "float32"),
-        LevelSpec("O1", "float32", "autocast", "dynamic", "none", False, "float32"),
-        LevelSpec("O2", "low_norms_float32", "casts", "dynamic", "none", "fp32",
-                  "low_without_masters"),
-        LevelSpec("O3", "low", "casts", "none", "none", False, "low"),
-        LevelSpec("lean", "low", "casts", "none", "none", "kahan", "low", alias_of="O3"),
-        LevelSpec("auto", None, None, None, None, None, None),
-        LevelSpec("rewrite", "float32", "rewrite", "dynamic", "none", False, "float32",
-                  amp=False),
+        # name, storage, forward, float16 and bfloat16 loss scale, masters
+        LevelSpec("O0", "float32", "float32", "none", "none", False),
+        LevelSpec("O1", "float32", "autocast", "dynamic", "none", False),
+        LevelSpec("O2", "low_norms_float32", "casts", "dynamic", "none", "fp32"),
+        LevelSpec("O3", "low", "casts", "none", "none", False),
+        LevelSpec("lean", "low", "casts", "none", "none", "kahan", alias_of="O3"),
+        LevelSpec("auto", None, None, None, None, None),
+        LevelSpec("rewrite", "float32", "rewrite", "dynamic", "none", False, amp=False),
     )
 }  # fmt: skip
 _check_table(_BY_NAME)
@@ -285,16 +274,18 @@ def level_master_weights(level: str) -> MasterWeights:
 def float16_optimizer_state(level: str, dtype: torch.dtype, masters: Any) -> bool:
     """Whether ``level`` in ``dtype`` with master-weight mode ``masters`` (as
     :func:`check_master_weights` returns it) keeps the optimizer's state (Adam's moments)
-    in float16, by its spec's :attr:`~LevelSpec.optimizer_state`: O3 and lean, and O2
-    without master weights. Adam's default ``eps=1e-8`` is below float16's range there.
+    in float16: the level stores parameters in float16 and the mode steps them itself
+    (the registry's ``state_in_parameter_dtype``: no masters, kahan), as at O3, lean and
+    O2 without masters. Adam's default ``eps=1e-8`` is below float16's range there.
 
     >>> float16_optimizer_state("O3", torch.float16, False), float16_optimizer_state("O2", torch.float16, "fp32")
     (True, False)
+    >>> float16_optimizer_state("O2", torch.float16, "kahan"), float16_optimizer_state("O3", torch.float16, "fp32")
+    (True, False)
     """
-    state = spec_of(level).optimizer_state
-    if dtype != torch.float16 or state in (None, "float32"):
+    if dtype != torch.float16 or spec_of(level).storage in (None, "float32"):
         return False
-    return state == "low" or not masters
+    return mode_of(masters).state_in_parameter_dtype
 
 
 def check_master_weights(value: MasterWeights | None, level: Level, dtype: torch.dtype) -> MasterWeights:
@@ -311,10 +302,12 @@ def check_master_weights(value: MasterWeights | None, level: Level, dtype: torch
             f"master_weights={value!r} with level={level!r}: {level} keeps every parameter in "
             "float32, so there is nothing to keep masters of; use O2, O3 or lean"
         )
-    if mode in ("split", "split8", "stochastic") and dtype != torch.bfloat16:
+    if dtype in (torch.float16, torch.bfloat16) and dtype not in mode_of(mode).dtypes:
+        takes = "/".join(repr(row.name) for row in MODES.values() if row.name != "none"
+                         and dtype in row.dtypes)  # fmt: skip
         raise ValueError(
             f"master_weights={value!r} works on bfloat16 parameters, got dtype={dtype}; "
-            "use dtype=torch.bfloat16, or master_weights='fp32'/'kahan' for float16"
+            f"use dtype=torch.bfloat16, or master_weights={takes} for float16"
         )
     return cast("MasterWeights", mode)  # one of the modes master_weight_mode checked
 
@@ -332,7 +325,6 @@ _FORWARD_TEXT = {
     "casts": "low",
     "rewrite": "the graph rewrite's allow / deny lists (parameters cast in the graph)",
 }
-_MASTERS_TEXT = {"fp32": "float32 master weights", "kahan": "Kahan-compensated updates"}
 
 
 def _steps_text(spec: LevelSpec) -> str:
@@ -340,7 +332,7 @@ def _steps_text(spec: LevelSpec) -> str:
         return "float32"
     if not spec.master_weights:
         return "the low-precision weights"
-    return _MASTERS_TEXT.get(str(spec.master_weights), f"`master_weights={spec.master_weights!r}`")
+    return mode_of(spec.master_weights).summary
 
 
 def _loss_scale_text(spec: LevelSpec) -> str:

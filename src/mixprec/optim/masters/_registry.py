@@ -30,6 +30,8 @@ class MasterMode:
 
     #: The value of ``master_weights=`` (``"none"`` is ``False``).
     name: str
+    #: What the optimizer steps, in words (the docs' level table).
+    summary: str
     #: What it reports as ``LossScaleOptimizer.master_weights``.
     option: bool | str
     #: The parameters it takes, in words (its ``check`` refuses the others).
@@ -43,6 +45,12 @@ class MasterMode:
     ema: bool
     #: Whether :class:`~mixprec.optim.GradientRelease` steps it.
     release: bool
+    #: The low-precision dtypes of the parameters it takes.
+    dtypes: tuple[torch.dtype, ...]
+    #: Whether the inner optimizer steps the low-precision parameters themselves, so that
+    #: its state (Adam's moments) is kept in their dtype: then, in float16, an ``eps``
+    #: below float16's smallest normal number turns the first step's weights NaN.
+    state_in_parameter_dtype: bool
     #: Raise ``ValueError`` unless the mode can take the optimizer's parameters.
     check: Callable[[torch.optim.Optimizer], None]
     #: Build the mode on an optimizer (its low-precision parameters are taken over).
@@ -57,27 +65,42 @@ class MasterMode:
             )
         if not (callable(self.check) and callable(self.build)):
             raise TypeError(f"mode {self.name!r}: check and build must be callables")
+        if not self.dtypes or not set(self.dtypes) <= {torch.float16, torch.bfloat16}:
+            raise ValueError(
+                f"mode {self.name!r}: dtypes must name float16 and/or bfloat16, got {self.dtypes!r}"
+            )
 
+
+_BOTH = (torch.float16, torch.bfloat16)
+_BF16 = (torch.bfloat16,)
 
 MODES: dict[str, MasterMode] = {
     row.name: row
     for row in (
-        MasterMode("none", False, "any parameters", 6.0, fused=False, ema=True, release=True,
+        MasterMode("none", "the low-precision weights",
+                   False, "any parameters", 6.0, fused=False, ema=True, release=True,
+                   dtypes=_BOTH, state_in_parameter_dtype=True,
                    check=ModelParameters.check, build=ModelParameters),
-        MasterMode("fp32", True, "float16 or bfloat16 parameters", 14.0, fused=True, ema=True,
-                   release=True, check=MasterWeights.check, build=MasterWeights),
-        MasterMode("split", "split", "plain bfloat16 parameters", 12.125, fused=False,
-                   ema=False, release=True, check=SplitMasterWeights.check,
-                   build=SplitMasterWeights),
-        MasterMode("split8", "split8", "plain bfloat16 parameters", 11.0, fused=True,
-                   ema=False, release=True, check=Split8MasterWeights.check,
-                   build=Split8MasterWeights),
-        MasterMode("kahan", "kahan", "float16 or bfloat16 parameters", 8.0, fused=True,
-                   ema=True, release=False,
+        MasterMode("fp32", "float32 master weights",
+                   True, "float16 or bfloat16 parameters", 14.0, fused=True, ema=True,
+                   release=True, dtypes=_BOTH, state_in_parameter_dtype=False,
+                   check=MasterWeights.check, build=MasterWeights),
+        MasterMode("split", "float32 masters rebuilt from the weight and 16 bits",
+                   "split", "plain bfloat16 parameters", 12.125, fused=False,
+                   ema=False, release=True, dtypes=_BF16, state_in_parameter_dtype=False,
+                   check=SplitMasterWeights.check, build=SplitMasterWeights),
+        MasterMode("split8", "float32 masters rebuilt from the weight and 8 bits",
+                   "split8", "plain bfloat16 parameters", 11.0, fused=True,
+                   ema=False, release=True, dtypes=_BF16, state_in_parameter_dtype=False,
+                   check=Split8MasterWeights.check, build=Split8MasterWeights),
+        MasterMode("kahan", "Kahan-compensated updates",
+                   "kahan", "float16 or bfloat16 parameters", 8.0, fused=True,
+                   ema=True, release=False, dtypes=_BOTH, state_in_parameter_dtype=True,
                    check=functools.partial(LeanUpdates.check, mode="kahan"),
                    build=functools.partial(LeanUpdates, mode="kahan")),
-        MasterMode("stochastic", "stochastic", "bfloat16 parameters", 6.0, fused=True,
-                   ema=True, release=False,
+        MasterMode("stochastic", "stochastically rounded updates",
+                   "stochastic", "bfloat16 parameters", 6.0, fused=True,
+                   ema=True, release=False, dtypes=_BF16, state_in_parameter_dtype=True,
                    check=functools.partial(LeanUpdates.check, mode="stochastic"),
                    build=functools.partial(LeanUpdates, mode="stochastic")),
     )
