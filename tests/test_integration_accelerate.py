@@ -147,6 +147,26 @@ def test_a_step_dropped_after_clipping_unscales_the_next_batch_again():
         assert torch.equal(mine, theirs)
 
 
+def test_accelerate_reports_the_verdict_the_step_goes_by():
+    """Accelerate learns whether a step was skipped from the verdict ``unscale_()`` took,
+    the one the step goes by, not from a second check of the gradients: gradients that
+    a hook made finite after the check are still a skipped step, on both sides."""
+    accelerator, net, opt, loader, _ = prepared()
+    inner = opt.optimizer
+    x, y = next(iter(loader))
+    assert inner.unscaled_found_inf is None
+    accelerator.backward(F.mse_loss(net(x), y) * float("inf"))
+    accelerator.unscale_gradients()
+    assert float(inner.unscaled_found_inf) == 1.0
+    for p in net.parameters():  # made finite after the verdict was taken
+        p.grad.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.step()
+    assert accelerator.optimizer_step_was_skipped
+    assert int(inner.skipped_steps) == 1 and inner.unscaled_found_inf is None
+    assert all(torch.equal(a, p) for a, p in zip(before, net.parameters()))
+
+
 def test_gradients_from_an_unscaled_backward_are_refused():
     accelerator, net, opt, loader, _ = prepared()
     x, y = next(iter(loader))

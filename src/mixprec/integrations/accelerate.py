@@ -34,7 +34,6 @@ from mixprec import amp
 from mixprec._checks import check_instance, check_number
 from mixprec.integrations._common import ScaleReader, check_level, require
 from mixprec.loss_scale import LossScale, loss_scale_state, restore_loss_scale
-from mixprec.numerics import unscale_and_check_
 from mixprec.optim import LossScaleOptimizer
 
 require("accelerate", "hf", __name__)
@@ -150,9 +149,9 @@ class LossScaleOptimizerScaler(ScaleReader):
             raise RuntimeError("a closure cannot be used with loss scaling: its loss is not scaled")
         if not opt.unscaled:
             self.unscale_(opt)
-        grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        one = torch.ones((), dtype=torch.float32, device=self.loss_scale.device)
-        if unscale_and_check_(grads, one).item():
+        # The verdict the step goes by, taken once by unscale_() (one host read).
+        found_inf = opt.unscaled_found_inf
+        if opt.skip_nonfinite and found_inf is not None and bool(found_inf):
             # The class's step, not the instance attribute Accelerate patched to notice calls.
             return type(opt).step(opt)
         return opt.step(**kwargs)  # through Accelerate's patched method, if any: an applied step

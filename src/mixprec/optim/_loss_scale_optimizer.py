@@ -499,6 +499,15 @@ class LossScaleOptimizer(OptimizerWrapper):
         return self._pending.unscaled_found_inf is not None
 
     @property
+    def unscaled_found_inf(self) -> torch.Tensor | None:
+        """The verdict :meth:`unscale_` took for the coming step (a 0/1 float32 tensor:
+        1 if an unscaled gradient held an inf or NaN), or ``None`` when no ``unscale_()``
+        ran since the last step. :meth:`step` goes by it (after the ranks agree), so a
+        trainer that must know whether the step will be skipped reads it rather than
+        checking the gradients again. Reading its value syncs."""
+        return self._pending.unscaled_found_inf
+
+    @property
     def use_ema(self) -> bool:
         return self._ema is not None
 
