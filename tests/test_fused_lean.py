@@ -471,7 +471,7 @@ def masters_trained(request):
         for x, y in data:
             opt.zero_grad()
             opt.scale_loss(_loss(model, x, y)).backward()
-            taken.append(opt._fuses(False, None))
+            taken.append(opt._fuses(None))
             if run == "reference":
                 with _Eager():
                     opt.step()
@@ -650,7 +650,7 @@ def test_split_masters_have_no_fused_step():
     model = _model()
     model[1].bfloat16()  # "split" needs every parameter in bfloat16
     opt = _masters_opt(model, True, "split")
-    assert not opt._master.fuses() and not opt._fuses(False, None)
+    assert not opt._master.fuses() and not opt._fuses(None)
 
 
 def test_fused_split8_8bit_resumes_bit_exactly_and_its_seed_is_checkpointed():

@@ -84,9 +84,7 @@ def test_o2_float16_trains_on_cuda():
 def test_o2_batchnorm_takes_low_input_on_cuda(low, channels_last):
     """cuDNN's (or the native) BatchNorm computes in float32 from a low input with float32
     weights: O2 passes the input through, and trains as the cast-through path did."""
-    from unittest import mock
-
-    from mixprec.amp._cast_hooks import ModuleAmp
+    from amp_internals import batchnorm_low_input
 
     def run(pass_through):
         torch.manual_seed(0)
@@ -99,8 +97,7 @@ def test_o2_batchnorm_takes_low_input_on_cuda(low, channels_last):
         model, opt = amp.initialize(net, torch.optim.SGD(net.parameters(), lr=0.1), "O2", low)
         x = torch.randn(32, 3, 16, 16, device="cuda").to(memory_format=fmt)
         y = torch.arange(32, device="cuda") % 4
-        keep = ModuleAmp._takes_low_input if pass_through else (lambda *args: False)
-        with mock.patch.object(ModuleAmp, "_takes_low_input", keep):
+        with batchnorm_low_input(pass_through):
             for _ in range(5):
                 loss = F.cross_entropy(model(x), y)
                 opt.scale_loss(loss).backward()
@@ -192,7 +189,7 @@ def test_the_compiled_master_steps_are_the_default_and_never_sync_on_cuda(mode):
             loss = F.cross_entropy(model(x.bfloat16()).float(), y)
             opt.scale_loss(loss).backward()
             if fused is None and mode in ("split8", "fp32", "split8-8bit"):
-                assert opt._fuses(False, None)
+                assert opt._fuses(None)
             elif fused is None:
                 assert opt._master._fuses(None)
             torch.cuda.set_sync_debug_mode("error" if i > 0 and fused is None else "default")

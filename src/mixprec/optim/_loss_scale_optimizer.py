@@ -549,11 +549,32 @@ class LossScaleOptimizer(OptimizerWrapper):
         the step gives the parameters their low-precision storage back, with the
         unscaled (clipped) gradients in ``.grad``. Once per step.
         """
+        return self._take_verdict("unscale_", divide=True)
+
+    def check_unscaled_(self) -> torch.Tensor:
+        """For gradients that are already unscaled (divided by the scale elsewhere, as
+        TensorFlow's ``get_unscaled_gradients`` does): check them for inf/NaN without
+        dividing them, and return ``found_inf`` (no sync). From here on it is as after
+        :meth:`unscale_`: the masters show in the model, clipping acts on what is
+        stepped, and :meth:`step` (or the dropped step of :meth:`zero_grad`) goes by this
+        verdict. Gradients that came from no :meth:`scale_loss` are taken. Once per step.
+
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = LossScaleOptimizer(torch.optim.SGD([w], lr=0.5))
+        >>> w.grad = torch.tensor([1.0, 2.0])  # true gradients, not multiplied by the scale
+        >>> float(opt.check_unscaled_()); opt.step(); w.detach().tolist()
+        0.0
+        [0.5, 0.0]
+        """
+        return self._take_verdict("check_unscaled_", divide=False)
+
+    def _take_verdict(self, name: str, divide: bool) -> torch.Tensor:
+        """:meth:`unscale_` (``divide``) or :meth:`check_unscaled_`: the pending verdict."""
         if self._pending.unscaled_found_inf is not None:
             raise RuntimeError(
-                "unscale_() has already been called since the last step(); call it once per step"
+                f"{name}() has already been called since the last step(); call it once per step"
             )
-        self._pending.unscaled_found_inf = self._unscale(self._stepped_params(), False)
+        self._pending.unscaled_found_inf = self._unscale(self._stepped_params(), not divide)
         self._master.show_masters_in_model()
         return self._pending.unscaled_found_inf
 
@@ -578,13 +599,11 @@ class LossScaleOptimizer(OptimizerWrapper):
             grads = self._master.gradients_to_check()
         return self.loss_scaler.unscale_(grads, self._factor(), scale=used)
 
-    def _prepare(
-        self, params: list[torch.Tensor], unscaled: bool = False, fused: bool = False
-    ) -> torch.Tensor | None:
+    def _prepare(self, params: list[torch.Tensor], fused: bool = False) -> torch.Tensor | None:
         """Unscale and check this step's gradients; ``None`` if the window is not full."""
         found_inf, self._pending.unscaled_found_inf = self._pending.unscaled_found_inf, None
         if found_inf is None:
-            found_inf = self._unscale(params, unscaled, fused)
+            found_inf = self._unscale(params, False, fused)
         else:  # unscale_() showed the masters in the model
             self._master.restore_model()  # the gradients as the user left them
         if self._accumulator is not None:
@@ -592,13 +611,12 @@ class LossScaleOptimizer(OptimizerWrapper):
         # All ranks' verdict, before anything is applied (None: the window is not full).
         return agree_on_found_inf(found_inf, self.process_group)
 
-    def _fuses(self, unscaled: bool, step_kwargs: dict[str, Any] | None) -> bool:
+    def _fuses(self, step_kwargs: dict[str, Any] | None) -> bool:
         """Whether this step is the masters' fused one: no float32 master gradient is
         needed in memory (see ``MasterWeights.fused``) and nothing must see the
         gradients unscaled before it."""
         return (
-            not unscaled
-            and not step_kwargs
+            not step_kwargs
             and self._pending.unscaled_found_inf is None
             and self._accumulator is None
             and (self.clipvalue, self.clipnorm, self.global_clipnorm) == (None, None, None)
@@ -670,17 +688,18 @@ class LossScaleOptimizer(OptimizerWrapper):
             shards=shards, process_group=self.process_group,
         )  # fmt: skip
 
-    def _step(self, unscaled: bool = False, step_kwargs: dict[str, Any] | None = None) -> None:
-        """The step on the gradients in ``.grad``: still scaled, or already ``unscaled``."""
+    def _step(self, step_kwargs: dict[str, Any] | None = None) -> None:
+        """The step on the gradients in ``.grad`` (still scaled, unless :meth:`unscale_` or
+        :meth:`check_unscaled_` took their verdict)."""
         params = self._stepped_params()
-        fused = self._fuses(unscaled, step_kwargs)
+        fused = self._fuses(step_kwargs)
         if fused and self._checks_in_step():  # what _unscale does, but the check
             if not self.loss_scaler.take_scaled(self):
                 refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
             self._pending.scale_used = None  # (1, as the scale is fixed at one)
             skipped, found_inf = self._apply(params, None, step_kwargs, fused)
         else:
-            window = self._prepare(params, unscaled, fused)
+            window = self._prepare(params, fused)
             if window is None:  # inside an accumulation window: nothing changes yet
                 return
             skipped, found_inf = self._apply(params, window, step_kwargs, fused)

@@ -118,10 +118,12 @@ class TFOptimizerAPI:
         for g, p in pairs:
             # A private copy: the step unscales in place, and g may be shared or expanded.
             p.grad = None if g is None else g.detach().to(p.dtype, copy=True).contiguous()
-        if scaled:  # gradients of a scaled loss, handed over by the caller
-            self.loss_scaler.mark_scaled()
         try:
-            self._step(unscaled=not scaled)
+            if scaled:  # gradients of a scaled loss, handed over by the caller
+                self.loss_scaler.mark_scaled()
+            else:  # already unscaled: checked, not divided again
+                self.check_unscaled_()
+            self.step()
         finally:
             for p in own:
                 p.grad = saved[id(p)]
