@@ -57,16 +57,17 @@ def dies_after_epoch(monkeypatch):
     """``dies_after_epoch(n)``: ``mixprec train`` in this test raises :class:`MachineWentAway`
     right after writing epoch ``n``'s checkpoint (as if the machine went away); returns
     the exception type. ``monkeypatch.undo()`` gives the real callback back."""
-    import mixprec.cli._train
+    from mixprec.train.callbacks import ModelCheckpoint
 
     def arm(epoch: int) -> type[Exception]:
-        class DiesAfterEpoch(mixprec.cli._train.ModelCheckpoint):
-            def on_epoch_end(self, state):
-                super().on_epoch_end(state)
-                if state.epoch == epoch:
-                    raise MachineWentAway
+        save = ModelCheckpoint.on_epoch_end
 
-        monkeypatch.setattr(mixprec.cli._train, "ModelCheckpoint", DiesAfterEpoch)
+        def on_epoch_end(self, state):
+            save(self, state)
+            if state.epoch == epoch:
+                raise MachineWentAway
+
+        monkeypatch.setattr(ModelCheckpoint, "on_epoch_end", on_epoch_end)
         return MachineWentAway
 
     return arm
@@ -90,3 +91,33 @@ def full_and_interrupted(tmp_path, monkeypatch, capsys, dies_after_epoch):
         return full, part, printed
 
     return run
+
+
+#: The lock file of a run folder: a running ``mixprec train`` holds an ``flock`` on it.
+RUN_LOCK = ".mixprec.lock"
+
+
+@pytest.fixture
+def hold_run_folder():
+    """``with hold_run_folder(folder):`` holds ``folder`` as a running ``mixprec`` process
+    does (an exclusive ``flock`` on its ``.mixprec.lock``, holding the holder's pid, which
+    a refused process names); the lock and its file go when the block ends."""
+    import contextlib
+    import fcntl
+    import os
+
+    @contextlib.contextmanager
+    def hold(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / RUN_LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+            os.close(fd)
+
+    return hold

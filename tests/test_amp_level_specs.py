@@ -20,7 +20,7 @@ from mixprec.amp._level_specs import (
     level_master_weights,
     level_table,
 )
-from mixprec.cli._args import build_parser
+from mixprec.cli import build_parser
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale
 from mixprec.optim.masters import mode_of
 from mixprec.train._names import AMP_LEVELS

@@ -4,21 +4,22 @@ optimizer steps, loss-scale defaults, custom lists, transformers, and rejected c
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import Counter
 from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_internals import batchnorm_low_input
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
-from mixprec.amp import _auto as amp_auto
-from mixprec.amp._claim import claim_model
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.numerics import any_nonfinite
 from mixprec.optim import LossScaleOptimizer
+from mixprec.rewrite import rewrite
 
 F32 = torch.float32
 LOW = [torch.bfloat16, torch.float16]
@@ -178,16 +179,13 @@ class _Casts(TorchDispatchMode):
 def _conv_bn_step(low, pass_through):
     """One O2 forward and backward of a conv-BatchNorm-ReLU net; the BatchNorm takes its
     low input as it comes or (``pass_through=False``) cast up and back as before."""
-    from mixprec.amp._cast_hooks import ModuleAmp
-
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
                         nn.Conv2d(8, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))  # fmt: skip
     model, _ = amp.initialize(net, None, "O2", low)
     x = torch.randn(6, 3, 8, 8) * 2 + 1
     casts = _Casts()
-    keep = ModuleAmp._takes_low_input if pass_through else (lambda *args: False)
-    with mock.patch.object(ModuleAmp, "_takes_low_input", keep), casts:
+    with batchnorm_low_input(pass_through), casts:
         out = model(x)
         out.square().sum().backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters()}
@@ -209,7 +207,6 @@ def test_o2_batchnorm_takes_low_input_without_the_casts_and_computes_the_same(lo
 
 def test_compiled_o2_batchnorm_takes_low_input_too():
     """The traced hooks decide as the eager ones: 2 casts fewer in the captured graph."""
-    from mixprec.amp._cast_hooks import ModuleAmp
 
     def graph_casts(pass_through):
         torch._dynamo.reset()
@@ -222,8 +219,7 @@ def test_compiled_o2_batchnorm_takes_low_input_too():
             counts.append(sum(n.op == "call_method" and n.target == "to" for n in gm.graph.nodes))
             return gm.forward
 
-        keep = ModuleAmp._takes_low_input if pass_through else (lambda *args: False)
-        with mock.patch.object(ModuleAmp, "_takes_low_input", keep):
+        with batchnorm_low_input(pass_through):
             out = torch.compile(model, backend=backend, fullgraph=True)(torch.randn(2, 3, 6, 6))
         torch._dynamo.reset()
         return counts, out
@@ -357,9 +353,9 @@ def test_without_optimizer_returns_none():
     assert out is model and opt is None and model.weight.dtype == torch.bfloat16
 
 
-def test_auto_is_o1_bf16_on_a_bf16_cpu_and_o2_by_capability_on_cuda(monkeypatch):
+def test_auto_is_o1_bf16_on_a_bf16_cpu_and_o2_by_capability_on_cuda(monkeypatch, caplog):
     # The CPU and capability cases in full are in test_auto_level.py.
-    monkeypatch.setattr(amp_auto, "cpu_has_fast", lambda dtype: dtype == torch.bfloat16)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     torch.manual_seed(0)
     model, reference = nn.Linear(4, 4), nn.Linear(4, 4)
     reference.load_state_dict(model.state_dict())
@@ -370,9 +366,14 @@ def test_auto_is_o1_bf16_on_a_bf16_cpu_and_o2_by_capability_on_cuda(monkeypatch)
     assert torch.equal(model(x), want)
     assert model.weight.dtype == torch.float32  # O1: float32 parameters
     assert not opt.master_weights
-    monkeypatch.setattr(amp_auto, "_model_device", lambda m: torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert amp_auto.resolve_level(nn.Linear(1, 1), "auto", torch.float16) == ("O2", torch.float16)
+    assert amp.choose_auto("cuda:0")[:2] == ("O2", torch.float16)
+    # initialize decides by the model's device: on a device type with no fast low
+    # precision, float32.
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        meta, _ = amp.initialize(nn.Linear(1, 1, device="meta"), level="auto")
+    assert meta.weight.dtype == torch.float32
+    assert "auto: level O0" in caplog.text and "no known fast low precision on meta" in caplog.text
 
 
 class Recorder(TorchDispatchMode):
@@ -697,12 +698,12 @@ def test_initialize_twice_or_after_the_rewrite_raises():
     with pytest.raises(ValueError, match="already has a policy"):
         amp.initialize(model, level="O2")
     rewritten = Zoo()
-    claim_model(rewritten, "rewrite")
+    rewrite(rewritten)  # claims the model at once (captured at its first call)
     before = snapshot(rewritten)
     with pytest.raises(ValueError, match="only one mixed-precision API|Only one"):
         amp.initialize(rewritten, level="O1")
     assert same(before, snapshot(rewritten))
     inner = Zoo()
-    claim_model(inner.fc, "rewrite")  # a rewritten submodule counts too
+    rewrite(inner.fc)  # a rewritten submodule counts too
     with pytest.raises(ValueError, match="rewrite"):
         amp.initialize(inner, level="O1")

@@ -9,13 +9,13 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from amp_internals import call_state_left, calls_left, is_hooked
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
-from mixprec.amp import _cast_cache, _cast_hooks
-from mixprec.amp._claim import claim_model, model_api
 from mixprec.policy import Policy, policy_scope, set_global_policy
+from mixprec.rewrite import rewrite
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -158,11 +158,11 @@ def test_an_exception_in_forward_leaves_nothing_behind():
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.ones(1, 2))
     assert "weight" not in model.fc.__dict__
-    assert _cast_cache._region_stack() == [] and _cast_cache._local.autocast == []
+    assert call_state_left() == {}
     assert not torch._C._is_torch_function_mode_enabled()
     assert not torch.is_autocast_enabled("cpu")  # O1's torch.autocast was left
-    assert _cast_hooks.get_state(model)._frames == {}
-    assert _cast_hooks.get_state(model.fc) is None  # autocast decides inside O1's root
+    assert is_hooked(model) and calls_left(model) == {}
+    assert not is_hooked(model.fc)  # autocast decides inside O1's root
 
 
 def test_an_exception_in_forward_leaves_nothing_behind_with_custom_lists():
@@ -172,10 +172,10 @@ def test_an_exception_in_forward_leaves_nothing_behind_with_custom_lists():
         with pytest.raises(RuntimeError, match="boom"):
             model(torch.ones(1, 2))
     assert "weight" not in model.fc.__dict__
-    assert _cast_cache._region_stack() == [] and _cast_cache._local.caches == []
+    assert call_state_left() == {}
     assert not torch._C._is_torch_function_mode_enabled()
-    assert _cast_hooks.get_state(model)._frames == {}
-    assert _cast_hooks.get_state(model.fc)._active == {}
+    assert is_hooked(model) and calls_left(model) == {}
+    assert is_hooked(model.fc) and calls_left(model.fc) == {}
 
 
 def test_tied_weights_get_one_gradient_through_both_uses():
@@ -268,7 +268,7 @@ def test_inference_mode_casts_are_not_reused_for_training():
 
 def test_bad_arguments_raise_and_change_nothing():
     model = mlp()
-    keys = sorted(model[0].__dict__)
+    keys = [sorted(m.__dict__) for m in model.modules()]  # a claim would be an attribute
     with pytest.raises(ValueError, match="mixed_float16"):
         amp.set_policy(model, "mixed_fp8")
     with pytest.raises(TypeError, match="policy must be"):
@@ -279,21 +279,23 @@ def test_bad_arguments_raise_and_change_nothing():
         amp.to_float(model, torch.int8)
     with pytest.raises(ValueError, match="to_float"):
         amp.to_float(model, "fp8")
-    assert model_api(model) is None and sorted(model[0].__dict__) == keys
+    assert [sorted(m.__dict__) for m in model.modules()] == keys
+    rewrite(model)  # no API claimed the model: the graph rewrite may still take it
     assert all(not m._forward_pre_hooks for m in model.modules())
     assert {p.dtype for p in model.parameters()} == {F32}
 
 
 def test_policies_and_the_graph_rewrite_exclude_each_other():
     model = mlp()
-    claim_model(model, "rewrite")
-    with pytest.raises(ValueError, match="rewrite"):
+    rewrite(model, torch.randn(2, 4))
+    with pytest.raises(ValueError, match="already uses the mixprec 'rewrite' API"):
         amp.set_policy(model, "mixed_float16")
     fresh = mlp()
     amp.to_float(fresh[0], torch.bfloat16)
-    assert model_api(fresh[0]) == "amp"
-    with pytest.raises(ValueError, match="amp"):
-        claim_model(fresh[0], "rewrite")
+    with pytest.raises(ValueError, match="already uses the mixprec 'amp' API"):
+        rewrite(fresh[0], torch.randn(2, 4))
+    with pytest.raises(ValueError, match="submodule '0' already uses the mixprec 'amp' API"):
+        rewrite(fresh, torch.randn(2, 4))
 
 
 def test_policies_set_before_initialize_are_kept():

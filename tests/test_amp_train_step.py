@@ -9,7 +9,7 @@ from torch import nn
 
 from mixprec import amp
 from mixprec.compat import mindspore as ms
-from mixprec.compat.mindspore._managers import DynamicLossScaleManager, FixedLossScaleManager
+from mixprec.compat.mindspore import DynamicLossScaleManager, FixedLossScaleManager
 from mixprec.loss_scale import DynamicLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
 from mixprec.train import TrainStep

@@ -11,9 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.cli._train as cli_train
 from mixprec import Model, amp
-from mixprec.amp import _auto as levels
 from mixprec.cli import main
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.train.models import MLP
@@ -21,20 +19,37 @@ from mixprec.train.models import MLP
 
 @pytest.fixture(params=[True, False], ids=["bf16-cpu", "avx2-cpu"])
 def bf16_units(request, monkeypatch):
-    """Run a test as on a CPU with bfloat16 units, and as on one without."""
-    monkeypatch.setattr(levels, "cpu_has_fast", lambda dtype: request.param)
-    monkeypatch.setattr(cli_train, "cpu_has_fast", lambda dtype: request.param)
+    """Run a test as on a CPU with bfloat16 units, and as on one without: oneDNN's check
+    (what mixprec asks) says so."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: request.param)
     return request.param
 
 
 def test_the_cpu_check_is_onednns_own():
-    assert levels.cpu_has_fast(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert levels.cpu_has_fast(torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    assert levels.cpu_has_fast(torch.float32) is False
+    level, dtype, _ = amp.choose_auto("cpu")
+    assert (level, dtype) == (
+        ("O1", torch.bfloat16)
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        else ("O0", torch.float32)
+    )
+
+
+@pytest.mark.parametrize("fp16_units", [True, False], ids=["fp16-cpu", "no-fp16-cpu"])
+def test_the_main_job_notes_emulated_float16_by_onednns_check(fp16_units, monkeypatch, tmp_path,
+                                                              capsys):  # fmt: skip
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: fp16_units)
+    argv = ["train", "--model", "mlp", "--epochs", "1", "--batch-size", "256", "--quiet"]
+    argv += ["--device", "cpu", "--dtype", "float16", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    if fp16_units:
+        assert notes == []
+    else:
+        assert len(notes) == 1 and "no float16 units" in notes[0] and "emulated" in notes[0]
 
 
 def test_auto_on_a_cpu(bf16_units):
-    level, dtype, reason = levels.choose_auto("cpu")
+    level, dtype, reason = amp.choose_auto("cpu")
     if bf16_units:
         assert (level, dtype, reason) == ("O1", torch.bfloat16, "this CPU has bfloat16 units")
     else:
@@ -53,7 +68,7 @@ def test_auto_on_a_cpu(bf16_units):
 )
 def test_auto_on_cuda_goes_by_compute_capability(monkeypatch, capability, dtype):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    level, chosen, reason = levels.choose_auto("cuda:0")
+    level, chosen, reason = amp.choose_auto("cuda:0")
     assert (level, chosen) == ("O2", dtype)
     assert f"{capability[0]}.{capability[1]}" in reason
     assert ("loss scaling" in reason) == (dtype == torch.float16)
@@ -105,7 +120,7 @@ def test_the_command_says_what_auto_picked(bf16_units, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     picked = "O1, bfloat16" if bf16_units else "O0, float32"
     assert [line for line in lines if line.startswith("auto:")] == [
-        f"auto: level {picked}: {levels.choose_auto('cpu')[2]}"
+        f"auto: level {picked}: {amp.choose_auto('cpu')[2]}"
     ]
     assert not any(line.startswith("note:") for line in lines)  # auto never emulates
     config = json.loads((out / "config.json").read_text())
@@ -131,5 +146,5 @@ def test_the_main_job_notes_emulated_bfloat16(bf16_units, tmp_path, capsys):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_on_this_gpu():
     capability = torch.cuda.get_device_capability()
-    level, dtype, _ = levels.choose_auto("cuda")
+    level, dtype, _ = amp.choose_auto("cuda")
     assert level == "O2" and dtype == (torch.bfloat16 if capability >= (8, 0) else torch.float16)

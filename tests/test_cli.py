@@ -14,7 +14,7 @@ import torch
 from matplotlib.image import imread
 
 from mixprec.cli import main
-from mixprec.train._plots import read_plot_data
+from mixprec.train import read_plot_data
 
 FAST = ["--quiet", "--threads", "1", "--device", "cpu"]  # the CPU is the reference here
 

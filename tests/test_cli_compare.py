@@ -1,5 +1,5 @@
 """``mixprec compare`` (issues 29 and 32): a stuck level is stopped by ``--level-timeout``
-and reported, the others still run; progress lines (level i/N, elapsed, ETA); its own
+and reported, a level whose process dies is seen at once, the others still run; progress lines (level i/N, elapsed, ETA); its own
 ``--help``; ``compare.png`` with a title, values and a memory panel.
 
 The levels here are stand-ins (``level_target`` replaced by functions of this module,
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import re
+import signal
 import sys
 import time
 
@@ -19,7 +21,7 @@ import pytest
 
 import mixprec.cli._compare as compare
 from mixprec.cli import main
-from mixprec.train._plots import plot_comparison, read_plot_data
+from mixprec.train import plot_comparison, read_plot_data
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="spawned level processes")
 
@@ -49,6 +51,18 @@ def test_run_level_stops_a_stuck_level_at_its_timeout():
     assert reason == "still running after 1 s (--level-timeout): stopped"
     assert time.perf_counter() - t0 < 60
     assert multiprocessing.active_children() == []  # stopped and reaped, not orphaned
+
+
+def dies(args, entry):
+    """A level whose process dies at once (as a torch segfault would)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_run_level_sees_a_dead_level_process():
+    t0 = time.perf_counter()
+    status, reason, code = compare.run_level(None, "O2", target=dies)
+    assert (status, code) == ("failed", 1) and "killed by SIGKILL" in reason
+    assert time.perf_counter() - t0 < 30
 
 
 @pytest.mark.slow  # three level processes (each imports torch), one waited on for 30 s

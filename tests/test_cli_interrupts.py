@@ -25,7 +25,6 @@ import pytest
 import torch
 
 from mixprec.cli import main
-from mixprec.cli._run_folder import LOCK_NAME
 
 pytestmark = [
     pytest.mark.slow,  # each point runs a fresh Python process that imports torch
@@ -33,6 +32,8 @@ pytestmark = [
 ]
 
 TESTS = Path(__file__).resolve().parent
+#: The lock file a running mixprec holds in its run folder (docs/guides/cli.md).
+RUN_LOCK = ".mixprec.lock"
 ARGS = ["--model", "mlp", "--batch-size", "256", "--epochs", "3", "--threads", "1",
         "--device", "cpu", "--quiet"]  # fmt: skip
 
@@ -52,20 +53,22 @@ def wait_for_sigint():
     sys.exit("no SIGINT came")
 
 
-import mixprec.cli._train as train_cli
-import mixprec.train._atomic as atomic
-import mixprec.train._loop as loop
+import io
+
+import mixprec
+from mixprec.train.callbacks import ProgressBar
 
 if point == "step":  # epoch 2, after its second step
-    class AtStep(train_cli.ProgressBar):
-        def on_step_end(self, state):
-            super().on_step_end(state)
-            if state.epoch == 2 and state.step_in_epoch == 2:
-                wait_for_sigint()
+    step_end = ProgressBar.on_step_end
 
-    train_cli.ProgressBar = AtStep
+    def on_step_end(self, state):
+        step_end(self, state)
+        if state.epoch == 2 and state.step_in_epoch == 2:
+            wait_for_sigint()
+
+    ProgressBar.on_step_end = on_step_end
 elif point == "checkpoint":  # half of epoch 2's checkpoint written to its temporary file
-    real = atomic._fdopen
+    real = io.open  # what os.fdopen opens a written file's descriptor with
 
     class Slow:
         def __init__(self, f):
@@ -90,12 +93,14 @@ elif point == "checkpoint":  # half of epoch 2's checkpoint written to its tempo
 
     def fdopen(fd, *a, **k):
         f = real(fd, *a, **k)
-        return Slow(f) if ".epoch0002.pt." in os.readlink(f"/proc/self/fd/{fd}") else f
+        if isinstance(fd, int) and ".epoch0002.pt." in os.readlink(f"/proc/self/fd/{fd}"):
+            return Slow(f)
+        return f
 
-    atomic._fdopen = fdopen
+    io.open = fdopen
 elif point in ("validation", "test"):  # epoch 2's validation; the final test evaluation
     calls = {"n": 0}
-    real_eval = loop.Model.eval
+    real_eval = mixprec.Model.eval
     at = 2 if point == "validation" else 4  # 3 epochs: 3 validations, then the test
 
     def eval_(self, dataset):
@@ -104,7 +109,7 @@ elif point in ("validation", "test"):  # epoch 2's validation; the final test ev
             wait_for_sigint()
         return real_eval(self, dataset)
 
-    loop.Model.eval = eval_
+    mixprec.Model.eval = eval_
 elif point == "compare":
     sys.path.insert(0, sys.argv[3])
     import mixprec.cli._compare as compare
@@ -176,7 +181,7 @@ def test_sigint_is_one_line_130_and_the_run_resumes_exactly(tmp_path, reference,
     )
     # Nothing half-written: no temporary file, no lock, only whole checkpoints.
     assert not [p.name for p in out.rglob("*") if p.name.endswith(".tmp")]
-    assert not (out / LOCK_NAME).exists()
+    assert not (out / RUN_LOCK).exists()
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == [f"epoch{e:04d}.pt" for e in range(max(1, saved - 1), saved + 1)]
     for name in names:

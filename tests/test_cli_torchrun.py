@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from mixprec.cli._run_folder import RunLock
-
 pytestmark = [
     pytest.mark.slow,  # two Python processes that import torch and join a process group
     pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo: Linux here"),
@@ -73,16 +71,13 @@ def test_bad_input_is_one_line_and_exit_2_on_every_rank(tmp_path):
     assert not out.exists()
 
 
-def test_a_folder_held_elsewhere_is_one_line_on_every_rank(tmp_path):
+def test_a_folder_held_elsewhere_is_one_line_on_every_rank(tmp_path, hold_run_folder):
     """Only rank 0 takes the folder's lock: without the ranks agreeing, rank 1 went on
     into training and was killed by torchrun without a word."""
     out = tmp_path / "run"
-    held = RunLock(out, "--out").acquire()  # as another mixprec process holds it
-    try:
+    with hold_run_folder(out):  # as another mixprec process holds it
         t0 = time.monotonic()
         rc, err, ranks = torchrun(tmp_path / "logs", "--out", str(out), *FAST)
-    finally:
-        held.release()
     line = (
         f"mixprec: error: --out {out}: the run folder is in use by mixprec process "
         f"{os.getpid()}; wait for it to finish (or stop it), or choose another folder"

@@ -1,12 +1,26 @@
 """The nested inner-optimizer config of the compat optimizers: every torch optimizer
-round-trips to the same class and hyperparameters, per parameter group."""
+round-trips to the same class and hyperparameters, per parameter group (through the TF
+``LossScaleOptimizer``'s ``get_config``/``from_config``; the Keras one writes the same)."""
 
 import json
 
 import pytest
 import torch
 
-from mixprec.compat._optimizer_config import optimizer_config, optimizer_from_config
+from mixprec.compat import tf
+
+
+def optimizer_config(opt: torch.optim.Optimizer) -> dict:
+    """``opt`` as the compat optimizers' configs nest it (``inner_optimizer``)."""
+    return tf.LossScaleOptimizer(opt).get_config()["inner_optimizer"]
+
+
+def optimizer_from_config(config, params, custom_objects=None) -> torch.optim.Optimizer:
+    """The inner optimizer that ``from_config`` rebuilds from ``config`` over ``params``."""
+    wrapper = tf.LossScaleOptimizer.from_config(
+        {"inner_optimizer": config}, custom_objects, params=params
+    )
+    return wrapper.inner_optimizer
 
 TORCH_OPTIMIZERS = sorted(
     name

@@ -99,7 +99,7 @@ def test_compiling_the_module_itself_equals_eager(level):
     the forward starts with a listed torch function (``torch.relu``), which must see
     the mode's lists. Three calls (the third one reuses the graphs), then eager again:
     no call state may leak out of a compiled call."""
-    from mixprec.amp._cast_cache import _local
+    from amp_internals import call_state_left
 
     eager = make(level, "eval")
     compiled_model = copy.deepcopy(eager)
@@ -111,7 +111,7 @@ def test_compiling_the_module_itself_equals_eager(level):
     x = inputs()
     for _ in range(3):
         torch.testing.assert_close(compiled(x), eager(x), rtol=1e-2, atol=1e-3)
-    assert _local.functions == [] and _local.stack == []
+    assert call_state_left() == {}
     torch.testing.assert_close(compiled_model(x), eager(x), rtol=0, atol=0)
 
 

@@ -16,7 +16,6 @@ from mixprec.compat.tf import (
     LossScaleOptimizer,
     enable_mixed_precision_graph_rewrite,
 )
-from mixprec.compat.tf._loss_scale import loss_scale_config
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -121,9 +120,12 @@ def run_once(opt, var):
 
 
 def tf23_config(loss_scale):
+    """TF 2.3's config: ``optimizer`` and ``loss_scale``, the loss scale serialized as
+    ``{"class_name": ..., "config": ...}``."""
     var, inner = sgd()
     legacy = LossScaleOptimizer(inner).get_config()["inner_optimizer"]
-    return {"optimizer": legacy, "loss_scale": loss_scale_config(loss_scale)}, var
+    serialized = {"class_name": type(loss_scale).__name__, "config": loss_scale.get_config()}
+    return {"optimizer": legacy, "loss_scale": serialized}, var
 
 
 @pytest.mark.parametrize("source", ["v2", "tf2_3"])

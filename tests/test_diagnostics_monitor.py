@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mixprec import LossScaleOptimizer, Model, amp
 from mixprec.diagnostics import GradientMonitor
 from mixprec.tools import HostSyncCounter
-from mixprec.train._plots import plot_loss_scale, read_plot_data
+from mixprec.train import plot_loss_scale, read_plot_data
 from mixprec.train.callbacks import CSVLogger, History, PrecisionMonitor
 
 

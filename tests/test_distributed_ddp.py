@@ -17,8 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mixprec.loss_scale import DynamicLossScale, StaticLossScale
 from mixprec.optim import GradScaler, LossScaleOptimizer
-from mixprec.tools import HostSyncCounter
-from mixprec.tools._spawn import run_on_ranks
+from mixprec.tools import HostSyncCounter, run_on_ranks
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer
-from mixprec.tools._spawn import run_on_ranks
+from mixprec.tools import run_on_ranks
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
@@ -168,7 +168,7 @@ def accumulate_fsdp2(rank: int, micro: int = 3, windows: int = 2) -> dict:
 
 
 def refusals() -> dict:
-    from mixprec.optim._distributed_checkpoint import CheckpointState
+    from mixprec.optim import CheckpointState
 
     found = {}
     net = fsdp1()
@@ -193,7 +193,7 @@ def resume(rank: int, build, dtype, options: dict, folder: str) -> dict:
     """Save after 3 steps with DCP, go on 3 steps; a fresh run loads and goes on the same 3."""
     import torch.distributed.checkpoint as dcp
 
-    from mixprec.optim._distributed_checkpoint import CheckpointState
+    from mixprec.optim import CheckpointState
 
     def step_batch(step):
         return batch(rank, step, dtype)

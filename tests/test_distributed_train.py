@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec.cli import main
-from mixprec.cli._run_folder import RUN_FILES
-from mixprec.tools._spawn import ADDRESS, free_port, run_on_ranks
+from mixprec.tools import free_port, run_on_ranks
 from mixprec.train._distributed import (
     DistributedModel,
     for_this_rank,
@@ -33,6 +32,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 FAST = ["--model", "mlp", "--quiet", "--threads", "1"]
+#: What a run folder holds (docs/guides/cli.md): these files and ``checkpoints/``.
+RUN_FILES = ("config.json", "metrics.json", "metrics.csv", "loss.png", "accuracy.png",
+             "loss_scale.png")  # fmt: skip
 
 
 def train(argv: list[str]) -> dict:
@@ -140,7 +142,7 @@ def test_in_one_process_the_helpers_stand_aside():
 
 def torchrun(args: list[str], processes: int, cwd: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    command += ["--master_addr", ADDRESS, "--master_port", str(free_port())]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     command += ["-m", "mixprec", "train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

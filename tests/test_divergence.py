@@ -15,11 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-import mixprec.cli._train as cli_train
 from mixprec import DynamicLossScale, Model, ScaleCollapseError, amp
 from mixprec.cli import main
 from mixprec.tools import HostSyncCounter
-from mixprec.train._divergence import DivergenceError, DivergenceGuard
+from mixprec.train import DivergenceError, DivergenceGuard
 from mixprec.train.callbacks import Callback, ModelCheckpoint, RunState
 from mixprec.train.data import train_test_loaders
 from mixprec.train.models import MLP
@@ -184,7 +183,7 @@ def test_adam_state_in_float16_with_eps_1e_8_really_breaks_the_weights():
 def test_float16_state_with_adams_default_eps_is_refused_and_changes_nothing(level):
     net = mlp()
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    match = rf"param group 0 has eps=1e-08, below float16's .*: {level} without float32"
+    match = rf"param group 0 has eps=1e-08, below float16's .*: {level} with master_weights="
     with pytest.raises(ValueError, match=match):
         amp.initialize(net, torch.optim.AdamW(net.parameters()), level, torch.float16)
     assert amp.get_policy(net) is None
@@ -240,28 +239,27 @@ def test_a_diverging_run_exits_3_in_one_line_after_saving_what_it_has(tmp_path):
 def test_a_collapsed_loss_scale_exits_3_and_keeps_the_finished_epochs(
     tmp_path, monkeypatch, capsys
 ):
-    build = cli_train.build_model
+    """Every step's gradients overflow: the default dynamic scale (2**15, halved on each
+    overflow down to 1) counts as collapsed after 100 more overflowing steps at 1, in the
+    third epoch of 41 steps."""
+    forward = MLP.forward
 
-    def always_overflowing(*args):
-        net = build(*args)
-        net.layers[-1].weight.register_hook(lambda g: g * math.inf)
-        return net
+    def overflowing(self, x):
+        out = forward(self, x)
+        if self.training:
+            out.register_hook(lambda g: g * math.inf)
+        return out
 
-    monkeypatch.setattr(cli_train, "build_model", always_overflowing)
-    monkeypatch.setattr(
-        cli_train,
-        "_loss_scale",
-        lambda text: DynamicLossScale(initial_scale=2.0**10, min_scale=1.0, collapse_after=20),
-    )
+    monkeypatch.setattr(MLP, "forward", overflowing)
     out = tmp_path / "run"
-    argv = ["--model", "mlp", "--batch-size", "128", "--epochs", "3", "--quiet", "--device", "cpu"]
-    argv += ["--out", str(out)]
+    argv = ["--model", "mlp", "--batch-size", "32", "--epochs", "3", "--quiet", "--device", "cpu"]
+    argv += ["--loss-scale", "dynamic", "--out", str(out)]
     assert main(["train", *argv]) == 3
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("mixprec: diverged: the loss scale collapsed")
     metrics = json.loads((out / "metrics.json").read_text())
     assert all(metrics["history"]["skipped"]) and metrics["final_loss_scale"] == 1.0
-    done, steps_per_epoch = metrics["epochs"], 12
+    done, steps_per_epoch = metrics["epochs"], 41
     assert done >= 1 and metrics["steps"] > done * steps_per_epoch  # stopped mid-epoch
     kept = [f"epoch{e:04d}.pt" for e in range(max(1, done - 1), done + 1)]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == kept

@@ -279,27 +279,43 @@ def test_mkdocs_build_is_strict_and_clean(tmp_path):
 # -- install hints ----------------------------------------------------------------------
 
 
-def test_install_hints_work_from_a_checkout():
-    """The hint named ``pip install "mixprec[lightning]"``, a package that is not published."""
-    from mixprec.integrations._common import require
+#: Each integration, the library it needs and the extra of pyproject.toml that installs it.
+INTEGRATIONS = [
+    ("lightning", "lightning", "lightning"),
+    ("transformers", "transformers", "hf"),
+    ("accelerate", "accelerate", "hf"),
+]
 
+
+def install_hint(monkeypatch, integration: str, library: str) -> str:
+    """The ``ImportError`` of ``import mixprec.integrations.<integration>`` where ``library``
+    is not installed (an import of it fails, as it does where it is missing)."""
+    monkeypatch.setitem(sys.modules, library, None)
+    monkeypatch.delitem(sys.modules, f"mixprec.integrations.{integration}", raising=False)
     with pytest.raises(ImportError) as caught:
-        require("no_such_library_here", "hf", "mixprec.integrations.transformers")
-    message = str(caught.value)
+        importlib.import_module(f"mixprec.integrations.{integration}")
+    return str(caught.value)
+
+
+def test_install_hints_work_from_a_checkout(monkeypatch):
+    """The hint named ``pip install "mixprec[lightning]"``, a package that is not published."""
+    message = install_hint(monkeypatch, "transformers", "transformers")
+    assert "mixprec.integrations.transformers needs the 'transformers' package" in message
     assert '"mixprec[' not in message
     assert 'pip install "transformers>=5.23,<5.24" "accelerate>=1.15,<1.16"' in message
     assert 'pip install -e ".[hf]"' in message
 
 
-def test_install_hints_name_the_pins_of_pyproject():
+@pytest.mark.parametrize("integration, library, extra", INTEGRATIONS, ids=[i[0] for i in INTEGRATIONS])
+def test_install_hints_name_the_pins_of_pyproject(monkeypatch, integration, library, extra):
     tomllib = pytest.importorskip("tomllib")
-    from mixprec.integrations._common import EXTRAS
-
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    for extra, pins in EXTRAS.items():
-        assert [pin.strip('"') for pin in pins] == extras[extra], extra
+    pins = " ".join(f'"{pin}"' for pin in extras[extra])
+    message = install_hint(monkeypatch, integration, library)
+    assert f"needs the {library!r} package, which is not installed: pip install {pins} " in message
+    assert f'(from a mixprec checkout: pip install -e ".[{extra}]")' in message
 
 
 def test_readme_links_resolve():

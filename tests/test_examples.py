@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mixprec.tools._spawn import free_port
+from mixprec.tools import free_port
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

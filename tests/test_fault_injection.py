@@ -39,7 +39,7 @@ def install_faults(faults: dict[str, Any], patch=setattr) -> None:
     """Patch this process's ``mixprec train`` (through ``patch(obj, name, value)``): inject
     inf/NaN into chosen batches, and SIGKILL it at a chosen training step or in the middle
     of a chosen checkpoint write."""
-    import mixprec.cli._train as cli_train
+    from mixprec.train.models import MLP  # what --model mlp trains
 
     inject, calls = faults.get("inject"), [0]
     kill_step, kill_save = faults.get("kill_step"), faults.get("kill_save")
@@ -58,14 +58,12 @@ def install_faults(faults: dict[str, Any], patch=setattr) -> None:
             out.register_hook(lambda grad: grad * math.inf)  # finite loss, inf gradients
         return out
 
-    build = cli_train.build_model
+    forward = MLP.forward
 
-    def build_with_faults(*args):
-        network = build(*args)
-        network.register_forward_hook(hook)
-        return network
+    def forward_with_faults(self, x):
+        return hook(self, (x,), forward(self, x))
 
-    patch(cli_train, "build_model", build_with_faults)
+    patch(MLP, "forward", forward_with_faults)
     if kill_save:
         save, saves = torch.save, [0]
 

@@ -231,7 +231,7 @@ def test_fsdp2_sharded_float8_layers_train_like_one_process():
     process on the global batch. Each rank scales its own activations and gradients, so
     the gradients differ from one process's by float8 rounding: up to (2**-3 + 2**-4) of
     their magnitude (e5m2 gradient times e4m3 operand), hence 0.25 of the update here."""
-    from mixprec.tools._spawn import run_on_ranks
+    from mixprec.tools import run_on_ranks
 
     first, second = run_on_ranks(_fsdp2_float8_rank, world_size=2, timeout=120)
     net = _fsdp_net()
@@ -312,17 +312,16 @@ def test_the_float32_emulation_computes_what_the_float8_kernel_does(dtypes, monk
     """Where ``torch._scaled_mm`` has no kernel (AVX2-only CPUs, older GPUs) the products are
     emulated in float32: exact products, so equal to a float64 reference up to float32
     summation, and to the kernel itself where this machine has one."""
-    from mixprec.float8 import _matmul as matmul
-    from mixprec.float8 import as_float8_dtype
+    from mixprec.float8 import _matmul, as_float8_dtype, native_scaled_mm, scaled_mm
 
     gen = torch.Generator().manual_seed(0)
     a = (torch.randn(32, 64, generator=gen) * 8).to(as_float8_dtype(dtypes[0]))
     b = (torch.randn(48, 64, generator=gen) * 8).to(as_float8_dtype(dtypes[1])).t()
     sa, sb = torch.tensor(0.25), torch.tensor(3.0)
     reference = (a.double() @ b.double() * 0.75).float()
-    native = matmul.native_scaled_mm("cpu")
-    monkeypatch.setitem(matmul._PROBED, "cpu", False)
-    emulated = matmul.scaled_mm(a, b, sa, sb, torch.float32)
+    native = native_scaled_mm("cpu")
+    monkeypatch.setitem(_matmul._PROBED, "cpu", False)  # as on a device without the kernel
+    emulated = scaled_mm(a, b, sa, sb, torch.float32)
     torch.testing.assert_close(emulated, reference, rtol=1e-6, atol=1e-5)
     if native:
         kernel = torch._scaled_mm(a, b.t().contiguous().t(), scale_a=sa, scale_b=sb,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import mixprec
 from mixprec.loss_scale import DynamicLossScale, ScaleCollapseError
-from mixprec.tools._syncs import HostSyncCounter
+from mixprec.tools import HostSyncCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

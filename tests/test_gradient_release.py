@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mixprec.optim import AdamW8bit, GradientRelease, LossScaleOptimizer, Split8MasterWeights
-from mixprec.tools._memory import live_tensor_bytes
+from mixprec.tools import live_tensor_bytes
 
 
 def mlp(dtype=torch.float32, seed=0, width=16):

@@ -19,7 +19,7 @@ from mixprec.kernels import (
     unpack_bits,
 )
 from mixprec.optim import LossScaleOptimizer
-from mixprec.tools._memory import live_tensor_bytes
+from mixprec.tools import live_tensor_bytes
 
 MODES = ["kahan", "stochastic"]
 

@@ -16,7 +16,7 @@ from mixprec.loss_scale import (
     StaticLossScale,
     loss_scale_from_spec,
 )
-from mixprec.tools._syncs import HostSyncCounter
+from mixprec.tools import HostSyncCounter
 
 ALL_KINDS = [
     NoOpLossScale(),

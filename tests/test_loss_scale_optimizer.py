@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from mixprec.compat import tf
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
-from mixprec.tools._syncs import HostSyncCounter
+from mixprec.tools import HostSyncCounter
 
 
 def make_model(seed: int = 0) -> torch.nn.Module:

@@ -10,15 +10,16 @@ import math
 import warnings
 from collections import Counter
 
+import amp_internals
 import pytest
 import real_models
 import torch
 import torch._dynamo as dynamo
+from amp_internals import call_state_left, calls_left, is_hooked
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mixprec import amp
-from mixprec.amp import _cast_cache, _cast_hooks, _initialize
 
 F32 = torch.float32
 DEVICES = [
@@ -139,7 +140,11 @@ def test_passing_the_default_lists_is_the_same_as_leaving_them_out():
     amp.initialize(again, level="O1", dtype=torch.bfloat16, white_list=amp.get_white_list(),
                    black_list=amp.get_black_list())  # fmt: skip
     x = MODELS["tiny_gelu"][1]()
-    assert torch.equal(again(x), ref) and _cast_hooks.get_state(again).autocast == torch.bfloat16
+    inside = set()  # what the layers run under: torch.autocast itself
+    again[0].register_forward_pre_hook(
+        lambda m, args: inside.add((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+    )
+    assert torch.equal(again(x), ref) and inside == {(True, torch.bfloat16)}
 
 
 class Probe(nn.Module):
@@ -176,7 +181,7 @@ def test_o1_with_the_defaults_hooks_only_the_root():
     12-layer GPT-2 is one module to amp, autocast does the rest."""
     model = real_models.gpt2(layers=12, width=16)
     amp.initialize(model, level="O1", dtype=torch.bfloat16)
-    hooked = [name for name, m in model.named_modules() if _cast_hooks.get_state(m) is not None]
+    hooked = [name for name, m in model.named_modules() if is_hooked(m)]
     assert hooked == [""]
     assert all(p.dtype == F32 for p in model.parameters())
 
@@ -279,8 +284,8 @@ def test_o1_float16_runs_lstms_in_float32_where_cpu_autocast_cannot(probe, monke
     ``torch.autocast("cpu", torch.float16)`` fails in an LSTM's forward; O1 runs the
     LSTM in float32 and the rest under autocast. "cannot" makes any CPU one of those."""
     if probe == "cannot":
-        monkeypatch.setattr(_initialize, "_cpu_autocast_runs_lstm", lambda dtype: False)
-    runs = _initialize._cpu_autocast_runs_lstm(torch.float16)
+        amp_internals.pretend_cpu_autocast_cannot_run_lstm(monkeypatch)
+    runs = amp_internals.cpu_autocast_runs_lstm(torch.float16)
     model = real_models.lstm(width=16)
     reference = copy.deepcopy(model)
     amp.initialize(model, level="O1", dtype=torch.float16)
@@ -304,9 +309,9 @@ def test_o1_float16_runs_lstms_in_float32_where_cpu_autocast_cannot(probe, monke
 
 def test_the_lstm_probe_draws_no_random_number():
     """Building the probe's LSTM initialises its weights: the user's stream is kept."""
-    _initialize._cpu_autocast_runs_lstm.cache_clear()
+    amp_internals.forget_cpu_autocast_probe()
     torch.manual_seed(3)
-    _initialize._cpu_autocast_runs_lstm(torch.float16)
+    amp_internals.cpu_autocast_runs_lstm(torch.float16)
     after = torch.rand(4)
     torch.manual_seed(3)
     assert torch.equal(after, torch.rand(4))
@@ -317,8 +322,7 @@ def test_o1_on_a_device_type_without_autocast_is_refused_and_leaves_nothing_behi
     amp.initialize(model, level="O1", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="torch.autocast.*'meta'.*O2 or O3"):
         model(torch.ones(1, 2, device="meta"))
-    assert _cast_cache._local.autocast == [] and _cast_cache._region_stack() == []
-    assert _cast_hooks.get_state(model)._frames == {}
+    assert call_state_left() == {} and calls_left(model) == {}
 
 
 def test_compiled_o1_keeps_autocast_across_a_graph_break():
@@ -344,6 +348,6 @@ def test_compiled_o1_keeps_autocast_across_a_graph_break():
     try:
         compiled = torch.compile(model, backend="eager")
         assert torch.equal(compiled(x), eager(x))
-        assert _cast_cache._local.autocast == [] and not torch.is_autocast_enabled("cpu")
+        assert call_state_left() == {} and not torch.is_autocast_enabled("cpu")
     finally:
         dynamo.reset()

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
 from mixprec import DynamicLossScale, Model
-from mixprec.train._checkpoint import CheckpointError
+from mixprec.train import CheckpointError
 from mixprec.train.callbacks import ModelCheckpoint
 from mixprec.train.models import MLP
 

@@ -232,8 +232,8 @@ def test_float8_conv1d_is_the_float8_linear_of_the_transposed_weight(kernel, mon
     from mixprec.float8 import _matmul
 
     if kernel == "emulated":
-        monkeypatch.setitem(_matmul._PROBED, "cpu", False)
-    elif not _matmul.native_scaled_mm("cpu"):
+        monkeypatch.setitem(_matmul._PROBED, "cpu", False)  # as on a device without the kernel
+    elif not float8.native_scaled_mm("cpu"):
         pytest.skip("no float8 kernel on this CPU")
     torch.manual_seed(0)
     conv = Conv1D(32, 16)

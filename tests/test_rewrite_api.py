@@ -1,12 +1,14 @@
 """Entry points: argument checking, one API per model, loss scales, reports."""
 
+import copy
 import json
+import re
 
 import pytest
 import torch
 from torch import fx, nn
 
-from mixprec.amp._claim import claim_model, model_api
+from mixprec import amp
 from mixprec.compat.tf import enable_mixed_precision_graph_rewrite
 from mixprec.loss_scale import DynamicLossScale, NoOpLossScale, StaticLossScale
 from mixprec.optim import LossScaleOptimizer
@@ -20,6 +22,20 @@ def mlp():
 
 
 X = torch.randn(4, 6)
+
+
+def api_of(model: nn.Module) -> str | None:
+    """The mixed-precision API that claimed ``model`` or a submodule of it (``"amp"`` or
+    ``"rewrite"``), or ``None``: as the graph rewrite sees it, which refuses a model that
+    either API claimed. A claim travels with a deep copy; a lazy rewrite captures nothing."""
+    try:
+        rewrite(copy.deepcopy(model))
+    except ValueError as err:
+        claimed = re.search(r"already uses the mixprec '(\w+)' API", str(err))
+        if claimed is None:
+            raise
+        return claimed[1]
+    return None
 
 
 @pytest.mark.parametrize(
@@ -40,7 +56,7 @@ def test_rewrite_rejects_bad_arguments_and_claims_nothing(kwargs, error, match):
     arguments = {"model": model, "example_inputs": X, **kwargs}
     with pytest.raises(error, match=match):
         rewrite(**arguments)
-    assert model_api(model) is None
+    assert api_of(model) is None
 
 
 def test_rewrite_rejects_low_precision_parameters():
@@ -55,19 +71,23 @@ def test_dtype_names_are_accepted():
 def test_a_model_is_rewritten_once():
     model = mlp()
     gm = rewrite(model, X, dtype=torch.bfloat16)
-    assert model_api(model) == "rewrite" and model_api(gm) == "rewrite"
+    assert api_of(model) == "rewrite"
     with pytest.raises(ValueError, match="already uses the mixprec 'rewrite' API"):
         rewrite(model, X)
+    # The graph module is claimed too (its deep copy is a new graph module: asked directly).
     with pytest.raises(ValueError, match="already uses the mixprec 'rewrite' API"):
         rewrite(gm, X)
+    with pytest.raises(ValueError, match="already uses the mixprec 'rewrite' API"):
+        amp.initialize(gm, level="O1")
 
 
 def test_every_submodule_is_marked_so_amp_refuses_them():
     model = mlp()
     rewrite(model, X, dtype=torch.bfloat16)
-    assert {model_api(m) for m in model.modules()} == {"rewrite"}
-    with pytest.raises(ValueError, match="already uses the mixprec 'rewrite' API"):
-        claim_model(model[0], "amp")
+    assert {api_of(m) for m in model.modules()} == {"rewrite"}
+    for module in model.modules():
+        with pytest.raises(ValueError, match="already uses the mixprec 'rewrite' API"):
+            amp.set_policy(module, "mixed_bfloat16")
 
 
 def test_entry_point_refuses_a_mixed_global_policy():
@@ -76,16 +96,16 @@ def test_entry_point_refuses_a_mixed_global_policy():
     with policy_scope("mixed_float16"):
         with pytest.raises(ValueError, match="policy API is in use .*'mixed_float16'"):
             enable_mixed_precision_graph_rewrite(optimizer, model=model, example_inputs=X)
-    assert model_api(model) is None
+    assert api_of(model) is None
 
 
 def test_a_model_using_the_amp_api_is_rejected():
     model = mlp()
-    claim_model(model, "amp")
+    amp.set_policy(model, "mixed_bfloat16")
     with pytest.raises(ValueError, match="already uses the mixprec 'amp' API"):
         rewrite(model, X)
     other = mlp()
-    claim_model(other[0], "amp")
+    amp.to_float(other[0], torch.bfloat16)
     with pytest.raises(ValueError, match="submodule '0' already uses the mixprec 'amp' API"):
         rewrite(other, X)
 
@@ -151,7 +171,7 @@ def test_entry_point_without_example_inputs_captures_on_the_first_call():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     lazy, opt = enable_mixed_precision_graph_rewrite(optimizer, model=model, dtype=torch.bfloat16)
     assert isinstance(lazy, LazyRewrite) and lazy.captures == 0
-    assert model_api(model) == "rewrite"  # claimed at once: amp is refused from now on
+    assert api_of(model) == "rewrite"  # claimed at once: amp is refused from now on
     eager = rewrite(mlp(), X, dtype=torch.bfloat16)
     assert torch.equal(lazy(X), eager(X)) and lazy.captures == 1
     assert isinstance(opt, LossScaleOptimizer) and opt.inner_optimizer is optimizer
@@ -163,7 +183,7 @@ def test_entry_point_needs_a_model_for_example_inputs_or_max_captures():
     for kwargs in ({"example_inputs": X}, {"max_captures": 2}):
         with pytest.raises(ValueError, match="without model="):
             enable_mixed_precision_graph_rewrite(optimizer, **kwargs)
-    assert model_api(model) is None
+    assert api_of(model) is None
 
 
 @pytest.mark.parametrize(
@@ -180,7 +200,7 @@ def test_entry_point_rejects_bad_loss_scales_and_claims_nothing(loss_scale, erro
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(error, match=match):
         enable_mixed_precision_graph_rewrite(optimizer, loss_scale, model=model, example_inputs=X)
-    assert model_api(model) is None
+    assert api_of(model) is None
 
 
 def test_entry_point_rejects_bad_optimizers():
@@ -193,12 +213,12 @@ def test_entry_point_rejects_bad_optimizers():
     stranger = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match="opt holds none of model's parameters"):
         enable_mixed_precision_graph_rewrite(stranger, model=model, example_inputs=X)
-    assert model_api(model) is None
+    assert api_of(model) is None
 
 
 def test_entry_point_refuses_a_model_that_uses_the_amp_api():
     model = mlp()
-    claim_model(model, "amp")
+    amp.set_policy(model, "mixed_bfloat16")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="already uses the mixprec 'amp' API"):
         enable_mixed_precision_graph_rewrite(optimizer, model=model, example_inputs=X)

@@ -2,13 +2,11 @@
 
 import pytest
 import torch
+from test_rewrite_api import api_of
 from torch import fx, nn
 
 import mixprec.rewrite._capture as capture_module
-from mixprec.amp._claim import model_api
 from mixprec.rewrite import CaptureError, count_casts, explain, rewrite
-from mixprec.rewrite._capture import capture, functionalize_inplace
-from mixprec.rewrite._modes import FLAG_NAME
 
 A = torch.ops.aten
 
@@ -52,7 +50,7 @@ class DataDependent(nn.Module):
 
 def test_export_captures_with_the_models_own_parameters_and_buffers():
     model = ConvNet()
-    captured = capture(model, torch.randn(2, 3, 6, 6))
+    captured = capture_module.capture(model, torch.randn(2, 3, 6, 6))
     assert captured.method == "export"
     gm = captured.module
     assert gm.get_parameter("conv.weight") is model.conv.weight
@@ -105,20 +103,21 @@ def test_when_both_captures_fail_the_error_names_the_construct_and_the_alternati
     assert "torch.fx.symbolic_trace failed in forward()" in message
     assert "`if x.sum() > 0:`" in message
     assert "mixprec.amp.initialize(model, level='O1')" in message
-    assert model_api(model) is None and model.training is False
+    assert model.training is False and api_of(model) is None
 
 
 def test_mode_constants_are_tied_to_the_training_flag():
     layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
-    gm = capture(layer, torch.randn(2, 3, 8)).module
-    flag = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == FLAG_NAME)
+    gm = capture_module.capture(layer, torch.randn(2, 3, 8)).module
     dropouts = [n for n in gm.graph.nodes if n.target is A.dropout.default]
     attention = [n for n in gm.graph.nodes if n.target is A.scaled_dot_product_attention.default]
+    flag = dropouts[0].args[2]  # one node, a submodule's training flag, for every dropout
+    assert flag.op == "call_module"
     assert len(dropouts) == 3 and all(n.args[2] is flag for n in dropouts)
     assert len(attention) == 1 and isinstance(attention[0].args[4], fx.Node)
-    assert gm.get_submodule(FLAG_NAME).training is True
+    assert gm.get_submodule(flag.target).training is True
     gm.eval()
-    assert gm.get_submodule(FLAG_NAME).training is False
+    assert gm.get_submodule(flag.target).training is False
 
 
 def test_in_place_ops_on_intermediate_values_become_out_of_place():
@@ -133,7 +132,7 @@ def test_in_place_ops_on_intermediate_values_become_out_of_place():
             y += x
             return y
 
-    gm = capture(Net(), torch.randn(2, 4)).module
+    gm = capture_module.capture(Net(), torch.randn(2, 4)).module
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert A.relu.default in targets and A.add.Tensor in targets
     assert A.relu_.default not in targets and A.add_.Tensor not in targets
@@ -146,7 +145,7 @@ def test_in_place_ops_on_inputs_stay_in_place():
     relu_ = g.call_function(A.relu_.default, (x,))
     relu_.meta["val"] = torch.empty(2)
     g.output(relu_)
-    assert functionalize_inplace(g) == 0
+    assert capture_module.functionalize_inplace(g) == 0
 
     class Net(nn.Module):
         def __init__(self):
@@ -168,7 +167,7 @@ def test_in_place_ops_on_inputs_stay_in_place():
 
 def test_a_batch_of_one_warns_that_the_batch_size_is_fixed():
     with pytest.warns(UserWarning, match="batch size 1"):
-        capture(nn.Linear(3, 3), torch.randn(1, 3))
+        capture_module.capture(nn.Linear(3, 3), torch.randn(1, 3))
     with pytest.warns(UserWarning, match="batch size 1"):
         gm = rewrite(nn.Linear(3, 3), torch.randn(1, 3), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"for inputs \[1, 3\] float32 and is called with \[2, 3\]"):
@@ -194,11 +193,11 @@ def test_a_graph_called_with_inputs_of_another_shape_says_so_and_how_to_fix_it(c
 @pytest.mark.parametrize("bad", [None, 3, {"x": torch.ones(2)}, ("text",)])
 def test_example_inputs_must_be_tensors_or_tuples_with_a_tensor(bad):
     with pytest.raises(TypeError, match="example_inputs must"):
-        capture(nn.Linear(2, 2), bad)
+        capture_module.capture(nn.Linear(2, 2), bad)
 
 
 def test_every_submodules_mode_is_restored_after_capture():
     model = ConvNet()
     model.bn.eval()  # a frozen batch norm inside a training model
-    capture(model, torch.randn(2, 3, 6, 6))
+    capture_module.capture(model, torch.randn(2, 3, 6, 6))
     assert model.training and not model.bn.training and model.drop.training

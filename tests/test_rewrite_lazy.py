@@ -3,10 +3,10 @@ shapes/dtypes or train/eval mode, a bound with a clear error, and the model's ow
 
 import pytest
 import torch
+from test_rewrite_api import api_of
 from torch import nn
 
 from mixprec import amp
-from mixprec.amp._claim import model_api
 from mixprec.rewrite import (
     CaptureError,
     LazyRewrite,
@@ -146,7 +146,7 @@ def test_moving_or_converting_forgets_the_graphs_and_low_parameters_are_refused(
 def test_one_api_per_model_and_the_arguments_are_checked_at_once():
     model = pooled()
     lazy = rewrite(model, dtype=torch.bfloat16)
-    assert model_api(model) == model_api(lazy) == "rewrite"
+    assert api_of(model) == api_of(lazy) == "rewrite"
     with pytest.raises(ValueError, match="'rewrite' API"):
         amp.initialize(model, level="O1")
     with pytest.raises(ValueError, match="'rewrite' API"):

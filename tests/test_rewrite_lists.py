@@ -1,9 +1,19 @@
 """The op lists of the graph rewrite: defaults, edits, conflicts, environment overrides."""
 
 import pytest
+import torch
 
-from mixprec.rewrite import ALLOW, CLEAR, DENY, INFER, PAINT_LEVELS, AmpLists, normalize_op_name
-from mixprec.rewrite._lists import check_level
+from mixprec.rewrite import (
+    ALLOW,
+    CLEAR,
+    DENY,
+    INFER,
+    PAINT_LEVELS,
+    AmpLists,
+    explain,
+    normalize_op_name,
+    rewrite,
+)
 
 DEFAULTS = {"allow": ALLOW, "infer": INFER, "deny": DENY, "clear": CLEAR}
 
@@ -143,9 +153,11 @@ def test_env_override_errors():
 
 def test_levels():
     assert set(PAINT_LEVELS) == {"default", "treat_infer_as_deny", "allow_only", "unsafe_force_all"}
-    assert check_level("default") == "default"
+    for level in PAINT_LEVELS:
+        gm = rewrite(torch.nn.Linear(2, 2), torch.randn(3, 2), dtype=torch.bfloat16, level=level)
+        assert explain(gm).level == level
     with pytest.raises(ValueError, match="unknown level 'O1'; accepted levels: 'default'"):
-        check_level("O1")
+        rewrite(torch.nn.Linear(2, 2), torch.randn(3, 2), level="O1")
 
 
 def test_repr_and_equality():

@@ -17,12 +17,7 @@ import torch
 
 from mixprec import Model
 from mixprec.cli import main
-from mixprec.train._checkpoint import (
-    CorruptCheckpointError,
-    UnsafeCheckpointError,
-    check_plain_data,
-    read_checkpoint,
-)
+from mixprec.train import CorruptCheckpointError, UnsafeCheckpointError
 from mixprec.train.callbacks import Callback, ModelCheckpoint
 from mixprec.train.data import train_test_loaders
 from mixprec.train.models import MLP
@@ -58,13 +53,35 @@ def folder_digest(folder: Path) -> dict[str, str]:
     }
 
 
-def small_model(tmp_path: Path, epochs: int = 1) -> tuple[Model, object]:
+def fresh_model() -> tuple[Model, object]:
     torch.manual_seed(0)
     train, _ = train_test_loaders(batch_size=256, seed=0, image=False)
     net = MLP(64, hidden=(16,), num_classes=10)
-    model = Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    return Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1)), train
+
+
+def small_model(tmp_path: Path, epochs: int = 1) -> tuple[Model, object]:
+    model, train = fresh_model()
     model.train(epochs, train, callbacks=[ModelCheckpoint(tmp_path)])
     return model, train
+
+
+def resume_from(path: Path) -> None:
+    """A fresh model resumed from ``path`` (the checkpoint is read before anything runs)."""
+    model, train = fresh_model()
+    model.train(2, train, resume=path)
+
+
+PLAIN = (torch.Tensor, str, int, float, bool, type(None), torch.Size, torch.dtype, torch.device)
+
+
+def plain_data(value) -> bool:
+    """Whether ``value`` holds only tensors and plain data (containers of them)."""
+    if isinstance(value, dict):
+        return all(plain_data(k) and plain_data(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(plain_data(v) for v in value)
+    return isinstance(value, PLAIN)
 
 
 def poisoned_copy(honest: Path, target: Path, payload: object) -> None:
@@ -102,7 +119,7 @@ def test_a_plain_pickle_of_an_object_is_refused_at_every_protocol(tmp_path, prot
     with open(path, "wb") as f:
         pickle.dump({"model": CreatesFile(marker)}, f, protocol=protocol)
     with pytest.raises(UnsafeCheckpointError, match="would call .*open"):
-        read_checkpoint(path, torch.device("cpu"))
+        resume_from(path)
     assert not marker.exists()
 
 
@@ -140,7 +157,7 @@ def test_honest_checkpoints_hold_only_plain_data_and_resume_bit_exactly(tmp_path
     for a, b in zip(full.network.parameters(), resumed.network.parameters()):
         assert torch.equal(a, b)
     payload = torch.load(tmp_path / "full" / "epoch0002.pt", weights_only=True)
-    check_plain_data(payload)
+    assert plain_data(payload)
     assert payload["format"] == "mixprec-checkpoint-1" and payload["epoch"] == 2
 
 
@@ -164,11 +181,30 @@ class Threshold:
         self.value = value
 
 
-def test_a_type_registered_as_a_safe_global_is_accepted():
+class KeepsAThreshold(Callback):
+    def __init__(self) -> None:
+        self.threshold = Threshold(0.5)
+
+    def state_dict(self):
+        return {"t": self.threshold}
+
+    def load_state_dict(self, state_dict):
+        self.threshold = state_dict["t"]
+
+
+def test_a_type_registered_as_a_safe_global_is_accepted(tmp_path):
+    model, train = fresh_model()
     with pytest.raises(TypeError, match="add_safe_globals"):
-        check_plain_data({"t": Threshold(0.5)})
+        model.train(1, train, callbacks=[KeepsAThreshold(), ModelCheckpoint(tmp_path)])
+    assert list(tmp_path.iterdir()) == []
     with torch.serialization.safe_globals([Threshold]):
-        check_plain_data({"t": Threshold(0.5)})
+        model, train = fresh_model()
+        model.train(1, train, callbacks=[KeepsAThreshold(), ModelCheckpoint(tmp_path)])
+        resumed, train = fresh_model()
+        kept = KeepsAThreshold()
+        kept.threshold = None
+        resumed.train(1, train, callbacks=[kept], resume=tmp_path / "epoch0001.pt")
+    assert isinstance(kept.threshold, Threshold) and kept.threshold.value == 0.5
 
 
 @pytest.mark.parametrize(
@@ -186,5 +222,5 @@ def test_a_damaged_file_is_corrupt_not_unsafe_and_named(tmp_path, damage):
     path = tmp_path / "epoch0001.pt"
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(CorruptCheckpointError, match="not a readable checkpoint") as err:
-        read_checkpoint(path, torch.device("cpu"))
+        resume_from(path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)

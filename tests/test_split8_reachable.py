@@ -11,7 +11,7 @@ from torch import nn
 
 from mixprec import Model, amp
 from mixprec.optim import AdamW8bit, LossScaleOptimizer, Split8MasterWeights
-from mixprec.tools._memory import live_tensor_bytes
+from mixprec.tools import live_tensor_bytes
 from mixprec.train.callbacks import ModelCheckpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

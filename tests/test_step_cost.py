@@ -18,7 +18,7 @@ from benchmarks.step_cost import (
     op_cost,
     prepare,
 )
-from mixprec.tools._memory import live_tensor_bytes
+from mixprec.tools import live_tensor_bytes
 
 aten = torch.ops.aten
 

@@ -4,17 +4,19 @@ accept, and mypy accepts the right uses of the API and rejects the wrong ones.""
 from __future__ import annotations
 
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
 from typing import Literal, get_args, get_origin
 
 import pytest
+from torch import nn
 
+from mixprec import amp
 from mixprec import typing as mt
-from mixprec._checks import DTYPE_NAMES, LOW_PRECISION
 from mixprec.amp import LEVELS
-from mixprec.float8._scaling import RECIPES
+from mixprec.float8 import Float8Linear
 from mixprec.optim.masters import MASTER_WEIGHT_MODES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,13 +30,32 @@ def literals(alias: object) -> set[object]:
     return {value for arg in get_args(alias) for value in literals(arg)}
 
 
+def low_precision_names(names: list[str]) -> set[str]:
+    """The names ``amp.initialize`` takes as a level's low precision."""
+    taken = set()
+    for name in names:
+        try:
+            amp.initialize(nn.Linear(1, 1), level="O2", dtype=name)
+        except ValueError:
+            continue
+        taken.add(name)
+    return taken
+
+
 def test_the_aliases_name_what_the_run_time_checks_accept():
     assert get_args(mt.Level) == LEVELS
     assert literals(mt.ModelLevel) == {*LEVELS, "rewrite"}
-    assert literals(mt.DTypeName) == set(DTYPE_NAMES)
-    assert literals(mt.LowPrecision) == {n for n, d in DTYPE_NAMES.items() if d in LOW_PRECISION}
+    # A dtype argument that takes any floating dtype lists every spelling when it refuses one.
+    with pytest.raises(ValueError, match="accepted spellings: ") as refused:
+        Float8Linear(2, 2, output_dtype="nonsense")
+    names = str(refused.value).split("accepted spellings: ")[1].split(", ")
+    assert literals(mt.DTypeName) == set(names)
+    assert literals(mt.LowPrecision) == low_precision_names(names)
     assert literals(mt.MasterWeights) == {m for m in MASTER_WEIGHT_MODES if m}
-    assert literals(mt.Float8Recipe) == set(RECIPES)
+    with pytest.raises(ValueError, match="fp8 must be one of ") as refused:
+        amp.initialize(nn.Linear(1, 1), level="O0", fp8="bogus")
+    recipes = re.findall(r"'(\w+)'", str(refused.value).split(", got ")[0])
+    assert literals(mt.Float8Recipe) == set(recipes) == {"dynamic", "delayed"}
     assert literals(mt.LossScaleSpec) == {"dynamic", "none"}
 
 

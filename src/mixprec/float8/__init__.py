@@ -6,7 +6,8 @@ buffers), :mod:`~mixprec.float8._linear` (:class:`Float8Linear`, and
 (:func:`convert_to_float8` and its report, :func:`convert_from_float8` back to the plain
 architecture) and :mod:`~mixprec.float8._stats` (per-layer amax and saturation). Activations and
 weights are cast to float8_e4m3fn, output gradients to float8_e5m2; all three
-matmuls of a linear layer run through ``torch._scaled_mm``.
+matmuls of a linear layer run through :func:`scaled_mm`: ``torch._scaled_mm`` where the
+device has a float8 kernel (:func:`native_scaled_mm`), else its float32 emulation.
 
 >>> import torch
 >>> from torch import nn
@@ -28,6 +29,7 @@ from mixprec.float8._convert import (
     convert_to_float8,
 )
 from mixprec.float8._linear import Float8Conv1D, Float8Layer, Float8Linear
+from mixprec.float8._matmul import native_scaled_mm, scaled_mm
 from mixprec.float8._scaling import (
     DelayedScaling,
     DynamicScaling,
@@ -52,4 +54,6 @@ __all__ = [
     "as_float8_dtype",
     "float8_stats",
     "read_float8_stats",
+    "scaled_mm",
+    "native_scaled_mm",
 ]

@@ -48,6 +48,10 @@ def _assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
 def native_scaled_mm(device_type: str) -> bool:
     """Whether ``torch._scaled_mm`` runs on this kind of device (probed once, cached).
 
+    Where it does not (AVX2-only CPUs, GPUs below compute capability 8.9), float8 layers
+    compute through :func:`scaled_mm`'s float32 emulation: float8's numerics, float32's
+    speed.
+
     >>> native_scaled_mm("cpu") in (True, False)
     True
     """
@@ -77,7 +81,15 @@ def scaled_mm(
     """``(a @ b) * scale_a * scale_b`` in ``out_dtype``, from float8 ``a`` and ``b``.
 
     ``torch._scaled_mm`` where :func:`native_scaled_mm` says the device has it (then ``b``
-    must be column-major, as that kernel wants), else the float32 emulation above.
+    must be column-major, as that kernel wants), else a float32 emulation from the same
+    float8 inputs: every product of two float8 values is exact in float32, so the two
+    differ only in the order of the float32 sums. It is the matmul of
+    :class:`Float8Linear`, for float8 layers of one's own.
+
+    >>> a = torch.tensor([[1.0, 2.0]]).to(torch.float8_e4m3fn)
+    >>> b = torch.tensor([[3.0, 1.0], [0.5, 4.0]]).to(torch.float8_e4m3fn).t().contiguous().t()
+    >>> scaled_mm(a, b, torch.tensor(1.0), torch.tensor(2.0), torch.float32)
+    tensor([[ 8., 18.]])
     """
     if native_scaled_mm(a.device.type):
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)

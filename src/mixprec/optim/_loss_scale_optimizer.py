@@ -552,8 +552,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         return self._take_verdict("unscale_", divide=True)
 
     def check_unscaled_(self) -> torch.Tensor:
-        """For gradients that are already unscaled (divided by the scale elsewhere, as
-        TensorFlow's ``get_unscaled_gradients`` does): check them for inf/NaN without
+        """For gradients that are already unscaled (divided by the scale elsewhere, by
+        hand or by a framework's own unscaling call): check them for inf/NaN without
         dividing them, and return ``found_inf`` (no sync). From here on it is as after
         :meth:`unscale_`: the masters show in the model, clipping acts on what is
         stepped, and :meth:`step` (or the dropped step of :meth:`zero_grad`) goes by this

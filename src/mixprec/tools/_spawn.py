@@ -14,14 +14,7 @@ strings and containers of these (read back with ``weights_only=True``).
 >>> 0 < free_port() < 2**16
 True
 
-Two ranks that all-reduce their rank numbers (a few seconds, so not run as a doctest)::
-
-    >>> def add_ranks(rank):  # doctest: +SKIP
-    ...     t = torch.tensor([float(rank)])
-    ...     torch.distributed.all_reduce(t)
-    ...     return t
-    >>> run_on_ranks(add_ranks, world_size=2)  # doctest: +SKIP
-    [tensor([1.]), tensor([1.])]
+:func:`run_on_ranks` shows a run on two ranks.
 """
 
 from __future__ import annotations
@@ -44,7 +37,13 @@ ADDRESS = "127.0.0.1"
 
 
 def free_port() -> int:
-    """A TCP port on ``127.0.0.1`` that was free a moment ago (the OS picks it)."""
+    """A TCP port on ``127.0.0.1`` that was free a moment ago (the OS picks it).
+
+    For a rendezvous of one's own, e.g. ``torchrun --master_port``:
+
+    >>> 0 < free_port() < 2**16
+    True
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((ADDRESS, 0))
         return s.getsockname()[1]
@@ -95,6 +94,20 @@ def run_on_ranks(
     picklable. Each process uses ``threads`` intra-op threads. Raises the first failing
     rank's error (as ``torch.multiprocessing.ProcessRaisedException``) or
     ``TimeoutError``; either way every process has been ended when it returns.
+
+    Two ranks that all-reduce their rank numbers, as a script (``fn`` is imported by
+    name in each process; a few seconds, as each one imports torch)::
+
+        import torch
+        from mixprec.tools import run_on_ranks
+
+        def add_ranks(rank):
+            t = torch.tensor([float(rank)])
+            torch.distributed.all_reduce(t)
+            return t
+
+        if __name__ == "__main__":
+            print(run_on_ranks(add_ranks, world_size=2))  # [tensor([1.]), tensor([1.])]
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")

@@ -30,7 +30,6 @@ from typing import IO, Any
 _counter = itertools.count()
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_fdopen = os.fdopen  # the file object written through (a test makes it fail: disk full)
 
 
 def temp_name(path: Path) -> Path:
@@ -48,7 +47,28 @@ def named_oserror(err: OSError, path: Path | str) -> OSError:
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any], fsync: bool = True) -> None:
-    """Write ``path`` whole through ``write(file)``, or leave it as it was."""
+    """Write ``path`` whole through ``write(file)``, or leave it as it was.
+
+    ``write`` gets a binary file open on a temporary name beside ``path``
+    (``.<name>.<pid>.<n>.tmp``: a new file of this process, never a link); once it
+    returns, the file is flushed (and with ``fsync`` synced to disk) and renamed over
+    ``path``. If ``write`` raises or the disk fills, the temporary file is removed,
+    ``path`` is as it was, and an ``OSError`` names ``path``. A symbolic link at
+    ``path`` is replaced by the file, never written through.
+
+    >>> import json, os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "summary.json")
+    >>> atomic_write(path, lambda f: f.write(json.dumps({"accuracy": 0.9}).encode()))
+    >>> def fails(f):
+    ...     f.write(b"half of it")
+    ...     raise RuntimeError("interrupted")
+    >>> try:
+    ...     atomic_write(path, fails)
+    ... except RuntimeError:
+    ...     pass
+    >>> open(path).read(), os.listdir(os.path.dirname(path))
+    ('{"accuracy": 0.9}', ['summary.json'])
+    """
     path = Path(path)
     tmp = temp_name(path)
     try:
@@ -56,7 +76,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any], fsync: boo
     except OSError as err:
         raise named_oserror(err, path) from None
     try:
-        with _fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             if fsync:

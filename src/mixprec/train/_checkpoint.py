@@ -70,7 +70,25 @@ _TORCH_VALUES = (torch.Tensor, torch.Size, torch.dtype, torch.device)
 
 
 class CheckpointError(ValueError):
-    """A file that cannot be resumed from; the message names it and says why."""
+    """A file that cannot be resumed from; the message names it and says why.
+
+    Raised by ``Model.train(resume=...)`` (and ``mixprec train --resume``, exit 2) before
+    anything is changed: for a file that could run code (:class:`UnsafeCheckpointError`),
+    a damaged one (:class:`CorruptCheckpointError`), one in a format this version does not
+    read, or one whose weights or optimizer state do not fit the model.
+
+    >>> import tempfile, torch
+    >>> from mixprec.train import Model
+    >>> path = Path(tempfile.mkdtemp()) / "epoch0001.pt"
+    >>> _ = path.write_bytes(b"not a checkpoint")
+    >>> net = torch.nn.Linear(4, 2)
+    >>> model = Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), device="cpu")
+    >>> try:
+    ...     model.train(1, [(torch.randn(8, 4), torch.randint(0, 2, (8,)))], resume=path)
+    ... except CheckpointError as err:
+    ...     print(type(err).__name__, "not a readable checkpoint" in str(err))
+    CorruptCheckpointError True
+    """
 
 
 class UnsafeCheckpointError(CheckpointError):

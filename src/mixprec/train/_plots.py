@@ -47,7 +47,18 @@ def _save(fig, path: str | Path, data: Mapping) -> None:
 
 
 def read_plot_data(path: str | Path) -> dict:
-    """The JSON data embedded in a PNG written by this module."""
+    """The numbers a plot of this module drew, read back from its PNG file.
+
+    Every plot embeds them as JSON in a PNG text chunk (``mixprec-data``), so the plots
+    of ``mixprec train`` and ``mixprec compare`` can be checked, or re-plotted, from the
+    files alone.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "loss.png")
+    >>> plot_loss([2.0, 1.5, 1.25, 1.0], path, epoch_losses=[1.75, 1.125])
+    >>> read_plot_data(path)
+    {'losses': [2.0, 1.5, 1.25, 1.0], 'epoch_losses': [1.75, 1.125]}
+    """
     from PIL import Image
 
     with Image.open(path) as img:
@@ -57,7 +68,14 @@ def read_plot_data(path: str | Path) -> dict:
 def plot_loss(
     losses: Sequence[float], path: str | Path, epoch_losses: Sequence[float] = ()
 ) -> None:
-    """Per-step training loss (and per-epoch means, if given) against the step."""
+    """Per-step training loss (and per-epoch means, if given) against the step.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "loss.png")
+    >>> plot_loss([0.5, 0.25], path)
+    >>> read_plot_data(path)["losses"]
+    [0.5, 0.25]
+    """
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     steps = list(range(1, len(losses) + 1))
     ax.plot(steps, losses, lw=0.8, alpha=0.6, label="step loss")
@@ -84,6 +102,12 @@ def plot_accuracy(
 
     ``test``: the test accuracy, measured once after the last epoch, drawn as one point
     there (it is not a per-epoch series: the test set is not looked at while training).
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "accuracy.png")
+    >>> plot_accuracy({"train": [0.5, 0.75], "validation": [0.5, 0.625]}, path, test=0.6)
+    >>> sorted(read_plot_data(path).items())
+    [('test', 0.6), ('train', [0.5, 0.75]), ('validation', [0.5, 0.625])]
     """
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     last = 0
@@ -122,6 +146,15 @@ def plot_loss_scale(
     underflow fraction, headed :data:`NO_SCALING_NOTE`, with the scale in use and the
     skipped steps in a note, rather than a flat line; for ``"float32"`` (level O0) it says
     that nothing is scaled. The embedded data is the same either way, plus ``note``.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "loss_scale.png")
+    >>> plot_loss_scale([8.0, 4.0, 4.0, 8.0], [False, True, False, False], path)
+    >>> read_plot_data(path)
+    {'scales': [8.0, 4.0, 4.0, 8.0], 'skipped_steps': [2]}
+    >>> plot_loss_scale([1.0, 1.0], [False, False], path, dtype="bfloat16")
+    >>> read_plot_data(path)["note"]
+    'bfloat16: no scaling needed'
     """
     if dtype in ("bfloat16", "float32"):
         _plot_unscaled(scales, skipped, path, underflow, dtype)
@@ -199,7 +232,19 @@ def _plot_unscaled(
 def plot_comparison(rows: Sequence[Mapping], path: str | Path, title: str | None = None) -> None:
     """Bar charts of test accuracy, step time and peak memory per configuration
     (``mixprec compare``), each bar labelled with its value; ``title`` heads the figure
-    (e.g. the model, epochs and device)."""
+    (e.g. the model, epochs and device).
+
+    Each row needs ``config`` (the bar's label), ``accuracy``, ``step_ms`` and
+    ``peak_mb``, as in ``compare.json``.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "compare.png")
+    >>> rows = [{"config": "O0", "accuracy": 0.95, "step_ms": 2.0, "peak_mb": 310.0},
+    ...         {"config": "O2 bfloat16", "accuracy": 0.94, "step_ms": 1.5, "peak_mb": 290.0}]
+    >>> plot_comparison(rows, path, title="mlp on digits")
+    >>> [row["config"] for row in read_plot_data(path)["rows"]]
+    ['O0', 'O2 bfloat16']
+    """
     names = [str(r["config"]) for r in rows]
     fig, axes = _pyplot().subplots(1, 3, figsize=(14, 4.5))
     panels = (

@@ -99,21 +99,8 @@ class LeanUpdates:
 
     A step launches a fixed number of kernels, whatever the number of parameter tensors:
     consecutive contiguous parameters of one group, device and dtype form a run (up to
-    :data:`RUN_ELEMENTS` elements), computed on as one flat tensor in float32. When the
-    optimizer is built, the parameters of a run become views of one flat tensor (each
-    keeps its identity, values and ``.grad``; only its storage moves, as with FSDP's
-    flat parameters), so the step reads and writes them there, with no gather or
-    scatter; kahan's buffers are views of one flat tensor per run too. Code that later
-    gives a parameter new storage (``p.data = ...``, ``Module.to``, a wrapper that
-    manages its parameters' storage) is followed: that run is gathered and scattered
-    from then on; a changed dtype, shape, device or layout is refused with a
-    ``ValueError``. One thing shows: ``torch.save`` of a single
-    parameter (not of a ``state_dict``) writes its run's whole storage, as for any view;
-    ``p.detach().clone()`` saves just the parameter. Each parameter gets exactly the
-    arithmetic of a step taken one parameter at a time, and stochastic rounding draws its
-    noise in the same order, so on the CPU the two are bit-identical; on a GPU the noise
-    comes from one draw per run, so the random stream differs from per-parameter draws.
-    Non-contiguous parameters (channels-last weights) are stepped one at a time.
+    :data:`RUN_ELEMENTS` elements) whose parameters are views of one flat tensor
+    (docs/guides/master-weights.md, "One storage per group of weights").
 
     A skipped step leaves ``p`` and ``c`` exactly as they were. Bytes per parameter with
     AdamW (moments in the parameter dtype): kahan 2 + 2 + 4 = 8, stochastic 2 + 4 = 6
@@ -129,24 +116,13 @@ class LeanUpdates:
     >>> float(w.detach()[0] + lean.compensation[0][0].float())  # 1 + 8 * 2**-10
     1.0078125
 
-    **The fused step.** With ``torch.optim.AdamW(fused=True)`` as the inner
-    optimizer on a GPU (``fused=None``, the default), or wherever ``fused=True`` asks,
-    the step is one compiled elementwise function instead
-    (:func:`~mixprec.kernels.adamw.kahan_adamw_`): each parameter's weight,
-    compensation, gradient and moments are read once and written once (kahan: 18 bytes
-    per bfloat16 parameter, against about 38 for the inner step and the rounding, with
-    one rounding fewer; stochastic: 14, against about 48). Stochastic rounding's noise
-    is then hashed from one seed a step drawn from the same generator
-    (:func:`~mixprec.kernels.rounding.hashed_bits`), so no noise tensor is written
-    or read: a different random stream from the eager step's, as unbiased. The state is the inner AdamW's own, so checkpoints move freely
-    between the two; the step does not call the inner optimizer's ``step()``, so a
-    step with ``step()`` keyword arguments, or an inner optimizer with step hooks,
-    takes the eager path. The first fused step compiles (seconds, more for many
-    parameter tensors: each is a loop of its own); ``fused=False``
-    never compiles.
+    With ``torch.optim.AdamW(fused=True)`` on a GPU (``fused=None``), or wherever
+    ``fused=True`` asks, the step is one compiled elementwise function
+    (:func:`~mixprec.kernels.adamw.kahan_adamw_`; docs/guides/master-weights.md, "The
+    fused step"); ``fused=False`` never compiles.
 
-    Takes the place of :class:`~mixprec.optim.MasterWeights` in a ``LossScaleOptimizer``
-    (``master_weights="kahan"`` or ``"stochastic"``): the same interface, no copies.
+    A :class:`~mixprec.optim.masters.Masters` of the registry (``master_weights="kahan"``
+    or ``"stochastic"``): the same protocol as float32 masters, no copies.
     """
 
     def __init__(
