@@ -81,7 +81,7 @@ def reference_round(gen, disc, ref_g, ref_d, seed, skip_d=False, skip_g=False):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_each_step_skips_only_its_own_overflow_and_advances_the_shared_scale(kind):
+def test_each_step_skips_only_its_own_overflow_and_the_scale_moves_at_the_next_loss(kind):
     gen, disc = gan()
     ref_gen, ref_disc = gan()
     opt_g, opt_d = build(gen, disc, kind)
@@ -115,8 +115,10 @@ def test_each_step_skips_only_its_own_overflow_and_advances_the_shared_scale(kin
     assert [int(opt_d.skipped_steps), int(opt_g.skipped_steps)] == [1, 0]
     assert [int(opt_d.iterations), int(opt_g.iterations)] == [2, 3]
     if kind == "dynamic":
-        # Every step advances the one scale: back-off, then growth after 2 finite steps.
-        assert scales == [512.0, 512.0, 1024.0, 1024.0, 2048.0, 2048.0]
+        # Each step's verdict moves the scale when the next loss is scaled (read right
+        # after D's step, the scale is still the one D unscaled by): back-off, then
+        # growth after 2 finite steps, as GradScaler.update() after every step gives.
+        assert scales == [1024.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0]
     else:
         assert len(set(scales)) == 1
 
@@ -230,8 +232,8 @@ def test_several_backward_passes_before_one_step_match_the_summed_loss(kind):
 
 
 def test_both_backward_before_either_step_unscales_each_by_its_own_scale():
-    """G and D backpropagate first, then step; G overflows and halves the shared scale
-    before D steps. D must still unscale by the scale its loss was multiplied by."""
+    """G and D backpropagate first, then step; G overflows. D must still unscale by the
+    scale its loss was multiplied by, and the shared scale backs off once both stepped."""
     gen, disc = gan()
     ref_gen, ref_disc = gan()
     opt_g, opt_d = build(gen, disc, "dynamic")
@@ -242,9 +244,10 @@ def test_both_backward_before_either_step_unscales_each_by_its_own_scale():
     ld_real, ld_fake = d_loss(gen, disc, real, noise)
     opt_d.scale_loss(ld_real + ld_fake).backward()
     poison(gen)
-    opt_g.step()  # skipped: the shared scale backs off 1024 -> 512
-    assert float(opt_d.loss_scale) == 512.0
+    opt_g.step()  # skipped; the shared scale waits for D's verdict
+    assert float(opt_d.loss_scale) == 1024.0
     opt_d.step()
+    assert float(opt_d.loss_scale) == 512.0  # both stepped: backed off once
     ld_real, ld_fake = d_loss(ref_gen, ref_disc, real, noise)
     (ld_real + ld_fake).backward()
     ref_d.step()

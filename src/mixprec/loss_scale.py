@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, overload
 
@@ -179,7 +180,9 @@ class LossScale:
         return cls(**config)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The state tensors (copies), for checkpoints."""
+        """The state tensors (copies), for checkpoints; a verdict still waiting for the
+        other optimizers sharing this scale (:meth:`update_after`) is applied first."""
+        self.settle()
         return {f.name: getattr(self, f.name).detach().clone() for f in self._state_fields()}
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -219,8 +222,61 @@ class LossScale:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
         self._follow(loss.device)
+        self.settle()
         scale = self.scale if extra_factor == 1.0 else self.scale * extra_factor
         return self.mark_on_backward(loss * scale)
+
+    # -- several optimizers, one scale ----------------------------------------------------
+
+    def join(self, consumer: Any) -> None:
+        """Count ``consumer`` (an optimizer that steps with this scale) among the sharers
+        :meth:`update_after` waits for. Held weakly: a consumer that is gone stops counting.
+        Copies and pickles of a loss scale start with no sharers; their optimizers join
+        again as they are restored."""
+        self.__dict__.setdefault("_sharers", weakref.WeakSet()).add(consumer)
+
+    def update_after(self, consumer: Any, found_inf: torch.Tensor) -> None:
+        """``consumer``'s step is done with verdict ``found_inf``: update the scale once
+        per iteration, as ``torch.amp.GradScaler.update()`` does after every optimizer of
+        the iteration stepped.
+
+        With one consumer, that is now. Several consumers that share this scale each
+        unscale by the same scale (the one their losses were multiplied by) and skip only
+        their own overflowing step; their verdicts are combined (any overflow backs off
+        once) and applied when every sharer has stepped, or at the next
+        :meth:`scale_loss` (a GAN's discriminator steps before the generator's loss is
+        scaled), or when the state is read for a checkpoint.
+
+        >>> scale = DynamicLossScale(initial_scale=1024.0)
+        >>> a, b = torch.optim.SGD([torch.zeros(1)]), torch.optim.SGD([torch.zeros(1)])
+        >>> scale.join(a); scale.join(b)
+        >>> scale.update_after(a, torch.tensor(1.0)); float(scale.scale)   # b has not stepped
+        1024.0
+        >>> scale.update_after(b, torch.tensor(0.0)); float(scale.scale)   # once: backed off
+        512.0
+        """
+        sharers = self.__dict__.get("_sharers")
+        if sharers is None or len(sharers) <= 1:
+            self.update(found_inf)
+            return
+        waiting = self.__dict__.get("_waiting")
+        if waiting is None:
+            self.__dict__["_waiting"] = waiting = (found_inf.clone(), set())
+        else:
+            torch.maximum(waiting[0], found_inf.to(waiting[0].device), out=waiting[0])
+        waiting[1].add(id(consumer))
+        if {id(c) for c in sharers} <= waiting[1]:
+            self.settle()
+
+    def settle(self) -> None:
+        """Apply the combined verdict that :meth:`update_after` holds, if any."""
+        waiting = self.__dict__.pop("_waiting", None)
+        if waiting is not None:
+            self.update(waiting[0])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sharers are live objects, held weakly: the copy's optimizers join it anew.
+        return {k: v for k, v in self.__dict__.items() if k != "_sharers"}
 
     # -- who has seen a scaled loss -----------------------------------------------------
 

@@ -456,6 +456,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         self._ema = ParameterEMA(params, ema_momentum, ema_overwrite_frequency) if use_ema else None
         self._counters = StepCounters()  # tensors: correct under torch.compile, no syncs
         scaler.take_scaled(self)  # from now on, step() asks whether a loss was scaled
+        scaler.join(self)  # a scale shared with other optimizers updates once per iteration
         self.gradient_monitor = None
         if monitor_every is not None:  # diagnostics load only when asked for
             from mixprec.diagnostics._monitor import GradientMonitor
@@ -466,6 +467,10 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     def __repr__(self) -> str:
         return f"LossScaleOptimizer({self._inner!r}, loss_scale={self.loss_scaler!r})"
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.loss_scaler.join(self)  # a copy shares its (copied) scale as the original did
 
     @property
     def loss_scale(self) -> torch.Tensor:
@@ -703,7 +708,7 @@ class LossScaleOptimizer(OptimizerWrapper):
             if window is None:  # inside an accumulation window: nothing changes yet
                 return
             skipped, found_inf = self._apply(params, window, step_kwargs, fused)
-        self.loss_scaler.update(found_inf=found_inf)
+        self.loss_scaler.update_after(self, found_inf)
         self.loss_scaler.observe_step(skipped)  # may raise ScaleCollapseError
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
@@ -733,7 +738,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         Under data parallelism every rank must drop the step (its verdict is agreed)."""
         if self._pending.unscaled_found_inf is not None:
             found_inf, self._pending.unscaled_found_inf = self._pending.unscaled_found_inf, None
-            self.loss_scaler.update(found_inf=agree_on_found_inf(found_inf, self.process_group))
+            self.loss_scaler.update_after(self, agree_on_found_inf(found_inf, self.process_group))
         self._master.zero_grad(set_to_none)
         self._inner.zero_grad(set_to_none)
 
@@ -920,10 +925,12 @@ class LossScaleOptimizer(OptimizerWrapper):
 def joint_step(*optimizers: LossScaleOptimizer) -> None:
     """Step several optimizers that share one loss scale as one: skip all or none.
 
-    The alternative to calling each ``opt.step()`` (where each optimizer skips only its
-    own overflowing step, and each step advances the shared scale). Here every
-    optimizer's gradients are unscaled and checked first; if any overflowed, all
-    steps are skipped; then the shared scale is updated once.
+    For optimizers whose parameters must move together (one model split over two
+    optimizers, say ``SparseAdam`` for its embeddings and ``AdamW`` for the rest).
+    Calling each ``opt.step()`` instead skips only the overflowing optimizer's step, as
+    ``torch.amp.GradScaler`` does. Here every optimizer's gradients are unscaled and
+    checked first; if any overflowed, all steps are skipped; then the shared scale is
+    updated once.
 
     >>> w1, w2 = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
     >>> from mixprec.loss_scale import DynamicLossScale
@@ -950,7 +957,8 @@ def joint_step(*optimizers: LossScaleOptimizer) -> None:
     found_inf = torch.stack([f.to(flags[0].device) for f in flags]).amax()
     for o, p in zip(optimizers, params):
         o._apply(p, found_inf)
-    optimizers[0].loss_scaler.update(found_inf=found_inf)
+    for o in optimizers:
+        o.loss_scaler.update_after(o, found_inf)
 
 
 
