@@ -1,6 +1,7 @@
 """One loss scale shared by several optimizers behaves as one ``torch.amp.GradScaler``
 used with several optimizers: each optimizer unscales by the scale its loss was
-multiplied by and skips only its own overflowing step; the scale moves once per
+multiplied by and skips only its own overflowing step
+the scale moves once per
 iteration from all their verdicts. Compared bit for bit with torch's scaler."""
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def test_torch_multiple_models_losses_and_optimizers_loop_ports_bit_for_bit():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
     torch_scales = []
     for i, (x, y) in enumerate(data):
-        topt0.zero_grad(); topt1.zero_grad()
+        topt0.zero_grad()
+        topt1.zero_grad()
         loss0, loss1 = losses(t0, t1, x, y)
         scaler.scale(loss0).backward(retain_graph=True)
         scaler.scale(loss1).backward()
@@ -69,7 +71,8 @@ def test_torch_multiple_models_losses_and_optimizers_loop_ports_bit_for_bit():
             poison(t1)
         scaler.unscale_(topt0)  # the recipe's clip of one optimizer's gradients
         torch.nn.utils.clip_grad_norm_(t0.parameters(), 1.0)
-        scaler.step(topt0); scaler.step(topt1)
+        scaler.step(topt0)
+        scaler.step(topt1)
         scaler.update()
         torch_scales.append(scaler.get_scale())
 
@@ -79,7 +82,8 @@ def test_torch_multiple_models_losses_and_optimizers_loop_ports_bit_for_bit():
     opt1 = LossScaleOptimizer(torch.optim.Adam(m1.parameters(), lr=0.01), shared)
     scales = []
     for i, (x, y) in enumerate(data):
-        opt0.zero_grad(); opt1.zero_grad()
+        opt0.zero_grad()
+        opt1.zero_grad()
         loss0, loss1 = losses(m0, m1, x, y)
         opt0.scale_loss(loss0).backward(retain_graph=True)
         opt1.scale_loss(loss1).backward()
@@ -89,7 +93,8 @@ def test_torch_multiple_models_losses_and_optimizers_loop_ports_bit_for_bit():
             poison(m1)
         opt0.unscale_()
         torch.nn.utils.clip_grad_norm_(m0.parameters(), 1.0)
-        opt0.step(); opt1.step()
+        opt0.step()
+        opt1.step()
         scales.append(float(shared.scale))
     assert scales == torch_scales
     for mine, theirs in zip(bits(m0, m1), bits(t0, t1)):
@@ -105,13 +110,16 @@ def test_the_second_optimizer_unscales_by_the_scale_its_loss_was_multiplied_by()
     opt0 = LossScaleOptimizer(torch.optim.SGD([w0], lr=1.0), loss_scale=scale)
     opt1 = LossScaleOptimizer(torch.optim.SGD([w1], lr=1.0), loss_scale=scale)
     opt0.scale_loss((w0 * float("inf")).sum() + (w1 * 1.0).sum()).backward()
-    opt0.step(); opt1.step()
+    opt0.step()
+    opt1.step()
 
     t0, t1 = torch.nn.Parameter(torch.ones(1)), torch.nn.Parameter(torch.ones(1))
     topt0, topt1 = torch.optim.SGD([t0], lr=1.0), torch.optim.SGD([t1], lr=1.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     scaler.scale((t0 * float("inf")).sum() + (t1 * 1.0).sum()).backward()
-    scaler.step(topt0); scaler.step(topt1); scaler.update()
+    scaler.step(topt0)
+    scaler.step(topt1)
+    scaler.update()
 
     assert torch.equal(w0.detach(), t0.detach()) and torch.equal(w1.detach(), t1.detach())
     assert float(w1.detach()) == 0.0  # stepped by the true gradient 1, not 2
@@ -132,12 +140,15 @@ def test_update_after_each_step_loops_match_grad_scaler_updating_after_each_step
                   for m in (m0, m1))  # fmt: skip
     for i, (x, y) in enumerate(data):
         for k, (tm, topt, mm, opt) in enumerate(((t0, topt0, m0, opt0), (t1, topt1, m1, opt1))):
-            topt.zero_grad(); opt.zero_grad()
+            topt.zero_grad()
+            opt.zero_grad()
             scaler.scale(losses(t0, t1, x, y)[k]).backward()
             opt.scale_loss(losses(m0, m1, x, y)[k]).backward()
             if (i + k) % 3 == 0:
-                poison(tm); poison(mm)
-            scaler.step(topt); scaler.update()
+                poison(tm)
+                poison(mm)
+            scaler.step(topt)
+            scaler.update()
             opt.step()
     shared.settle()
     assert float(shared.scale) == scaler.get_scale()

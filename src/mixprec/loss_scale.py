@@ -221,10 +221,16 @@ class LossScale:
         """Return ``loss * scale * extra_factor`` (no host sync)."""
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
-        self._follow(loss.device)
-        self.settle()
-        scale = self.scale if extra_factor == 1.0 else self.scale * extra_factor
-        return self.mark_on_backward(loss * scale)
+        if loss.device != self.scale.device:
+            self.to(loss.device)  # state lives where the gradients live: moved once
+        if "_waiting" in self.__dict__:
+            self.settle()
+        scaled = loss * (self.scale if extra_factor == 1.0 else self.scale * extra_factor)
+        if scaled.requires_grad and not torch.compiler.is_compiling():  # mark_on_backward,
+            scaled.register_hook(self._on_scaled_backward)  # written out: runs every step
+        else:
+            self.mark_scaled()
+        return scaled
 
     # -- several optimizers, one scale ----------------------------------------------------
 
@@ -235,10 +241,13 @@ class LossScale:
         again as they are restored."""
         self.__dict__.setdefault("_sharers", weakref.WeakSet()).add(consumer)
 
-    def update_after(self, consumer: Any, found_inf: torch.Tensor) -> None:
+    def update_after(
+        self, consumer: Any, found_inf: torch.Tensor, skipped_on_host: bool = False
+    ) -> None:
         """``consumer``'s step is done with verdict ``found_inf``: update the scale once
         per iteration, as ``torch.amp.GradScaler.update()`` does after every optimizer of
-        the iteration stepped.
+        the iteration stepped, and watch for a collapse (:meth:`observe_step`, given
+        whether the host saw the step skipped; it may raise :class:`ScaleCollapseError`).
 
         With one consumer, that is now. Several consumers that share this scale each
         unscale by the same scale (the one their losses were multiplied by) and skip only
@@ -257,9 +266,12 @@ class LossScale:
         """
         sharers = self.__dict__.get("_sharers")
         if sharers is None or len(sharers) <= 1:
-            self.update(found_inf)
+            if not self.fixed_at_one:  # a scale fixed at one has nothing to update
+                self.update(found_inf=found_inf)
+            if skipped_on_host or self.__dict__.get("_host_skips"):
+                self.observe_step(skipped_on_host)
             return
-        waiting = self.__dict__.get("_waiting")
+        waiting: tuple[torch.Tensor, set[int]] | None = self.__dict__.get("_waiting")
         if waiting is None:
             self.__dict__["_waiting"] = waiting = (found_inf.clone(), set())
         else:
@@ -267,12 +279,13 @@ class LossScale:
         waiting[1].add(id(consumer))
         if {id(c) for c in sharers} <= waiting[1]:
             self.settle()
+        self.observe_step(skipped_on_host)
 
     def settle(self) -> None:
         """Apply the combined verdict that :meth:`update_after` holds, if any."""
         waiting = self.__dict__.pop("_waiting", None)
         if waiting is not None:
-            self.update(waiting[0])
+            self.update(found_inf=waiting[0])
 
     def __getstate__(self) -> dict[str, Any]:
         # Sharers are live objects, held weakly: the copy's optimizers join it anew.
@@ -304,7 +317,7 @@ class LossScale:
         return scaled
 
     def _on_scaled_backward(self, grad: torch.Tensor) -> None:
-        self.mark_scaled()
+        self.__dict__["_scaled_count"] = self.__dict__.get("_scaled_count", 0) + 1  # mark_scaled
 
     def take_scaled(self, consumer: Any) -> bool:
         """Whether scaled gradients arrived since ``consumer``'s last call (host-side, no sync).
@@ -372,18 +385,16 @@ class LossScale:
         ``scale`` as in :meth:`inv_scale`.
         """
         present = [g for g in grads if g is not None]
-        if present:
-            self._follow(present[0].device)
+        if present and present[0].device != self.scale.device:
+            self.to(present[0].device)  # a one-time move to the gradients' device
         if extra_factor == 1.0 and self.fixed_at_one:
             # Dividing by 1 changes nothing: read the gradients once for the finite
             # check instead of reading and writing them all (bfloat16 without scaling).
-            return any_nonfinite(present, self.device)
+            return any_nonfinite(present, self.scale.device)
         return unscale_and_check_(present, self.inv_scale(extra_factor, scale))
 
-    @property
-    def fixed_at_one(self) -> bool:
-        """Whether the scale is 1 now and always (no unscale pass is needed)."""
-        return False
+    #: Whether the scale is 1 now and always (no unscale pass, nothing to update).
+    fixed_at_one: ClassVar[bool] = False
 
     def update(self, found_inf: torch.Tensor) -> None:
         """Advance the state machine by one step (no-op for fixed scales)."""
@@ -404,10 +415,7 @@ class NoOpLossScale(LossScale):
     """
 
     kind: ClassVar[str] = "none"
-
-    @property
-    def fixed_at_one(self) -> bool:
-        return True
+    fixed_at_one: ClassVar[bool] = True
 
     @property
     def needs_scaled_loss(self) -> bool:

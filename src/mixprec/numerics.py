@@ -158,17 +158,37 @@ def _unscale_and_check_foreach_(group: list[torch.Tensor], inv_scale: torch.Tens
 def any_nonfinite(tensors: Iterable[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     """1.0 if any element of ``tensors`` is inf or NaN, else 0.0 (float32 on ``device``).
 
-    Reads only: one max-abs norm per (device, dtype) group, no copies. No host sync
-    (on a CPU, see :func:`_largest_magnitude`).
+    Reads only: one max-abs norm per (device, dtype) group, no copies. No host sync,
+    except on a CPU (:func:`cpu_shortcuts`), which first takes the L2 norms: it computes
+    them several times faster than the max-abs ones, finite norms mean finite elements,
+    and only a non-finite norm (an inf or NaN, or squares beyond float32's range) sends
+    it to the max-abs check; the host read costs a CPU nothing. Written out in one body
+    (it runs at every step): :func:`group_by_device_and_dtype`, :func:`_largest` and
+    :func:`nonfinite_flag` inline.
 
     >>> any_nonfinite([torch.ones(2), torch.tensor([float("nan")])], torch.device("cpu"))
     tensor(1.)
     """
-    groups = group_by_device_and_dtype(t for t in tensors if t is not None and t.numel())
-    peaks = [_largest_magnitude(group).to(device) for group in groups.values()]
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            if t.is_sparse:  # the coalesced values, duplicates summed as they will be
+                t = t.coalesce()._values()
+            groups.setdefault((t.device, t.dtype), []).append(t)
+    peaks = []
+    for group in groups.values():
+        if group[0].device.type == "cpu" and _get_current_dispatch_mode() is None:  # cpu_shortcuts
+            norms = torch._foreach_norm(group, 2)
+            if bool((norms[0] if len(norms) == 1 else torch.stack(norms).amax()) < float("inf")):
+                peaks.append(torch.zeros((), dtype=group[0].dtype).to(device))
+                continue
+        norms = torch._foreach_norm(group, float("inf"))
+        peaks.append((norms[0] if len(norms) == 1 else torch.stack(norms).amax()).to(device))
     if not peaks:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return nonfinite_flag(_largest(peaks))
+    peak = peaks[0] if len(peaks) == 1 else torch.stack(peaks).amax()
+    flag = torch.empty((), dtype=torch.float32, device=peak.device)
+    return torch.logical_not(peak < float("inf"), out=flag)  # NaN < inf is False
 
 
 def cpu_shortcuts(device: torch.device) -> bool:
@@ -192,21 +212,6 @@ def _largest(values: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Ten
     """The largest of 0-d non-negative ``values`` (NaN if any is NaN): one kernel, none
     for a single value."""
     return values[0] if len(values) == 1 else torch.stack(values).amax()
-
-
-def _largest_magnitude(group: list[torch.Tensor]) -> torch.Tensor:
-    """The largest ``|element|`` of ``group`` (one device and dtype; NaN if any is NaN),
-    or 0 on a CPU when every element is known finite.
-
-    A CPU (:func:`cpu_shortcuts`) first takes the L2 norms, which it computes several
-    times faster than the max-abs ones: finite norms mean finite elements, and only a
-    non-finite norm (an inf or NaN, or squares beyond float32's range) sends it to the
-    max-abs check, read back on the host at no cost there. A GPU takes the max-abs
-    norms at once (no host read)."""
-    if cpu_shortcuts(group[0].device):
-        if bool(_largest(torch._foreach_norm(group, 2)) < float("inf")):
-            return torch.zeros((), dtype=group[0].dtype)
-    return _largest(torch._foreach_norm(group, float("inf")))
 
 
 def nonfinite_flag(value: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from mixprec._checks import check_bool, check_number, low_precision_of
 from mixprec.loss_scale import (
@@ -46,12 +47,7 @@ from mixprec.loss_scale import (
     refuse_unscaled_gradients,
     restore_loss_scale,
 )
-from mixprec.numerics import (
-    coalesce_sparse_half_grads_,
-    cpu_shortcuts,
-    is_flat_shard,
-    unscale_and_check_,
-)
+from mixprec.numerics import cpu_shortcuts, is_flat_shard, unscale_and_check_
 from mixprec.optim._accumulation import GradientAccumulator
 from mixprec.optim._clipping import clip_gradients_
 from mixprec.optim._ema import ParameterEMA
@@ -228,7 +224,8 @@ class StepCounters:
 
     def record(self, found_inf: torch.Tensor) -> None:
         """Count one step: skipped if ``found_inf`` (a 0/1 float tensor) is 1. No host sync."""
-        self._follow(found_inf.device)
+        if self.steps.device != found_inf.device:
+            self._follow(found_inf.device)
         self.last_skipped = found_inf > 0  # a new tensor: nothing else writes it
         self.skipped.add_(self.last_skipped)
         self.steps.add_(1)
@@ -529,7 +526,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         ``step()`` unscales by the scale used here (a device-side copy), so a loss scale
         shared with an optimizer that steps (and backs off) first stays correct. No sync.
         """
-        scaled = self.loss_scaler.scale_loss(loss, self._factor())
+        factor = 1.0 if self.loss_scale_factor is None else float(self.loss_scale_factor)
+        scaled = self.loss_scaler.scale_loss(loss, factor)
         self._pending.scale_used = self.loss_scaler.scale.detach().clone()
         return scaled
 
@@ -588,24 +586,32 @@ class LossScaleOptimizer(OptimizerWrapper):
     ) -> torch.Tensor:
         """Copy to masters (unless a ``fused`` step reads the model's gradients), unscale
         (unless ``unscaled``) and check; return ``found_inf``."""
-        if not unscaled and not self.loss_scaler.take_scaled(self):
-            refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
+        scaler = self.loss_scaler
+        if not unscaled and not scaler.take_scaled(self):
+            refuse_unscaled_gradients(scaler, self._inner.param_groups)
         if not fused:
             self._master.grads_to_masters()
-        coalesce_sparse_half_grads_(params)
-        grads = [p.grad for p in params]
+        grads = []
+        for p in params:  # coalesce_sparse_half_grads_, written out: it runs every step
+            g = p.grad
+            if g is not None and g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
+                p.grad = g = g.coalesce()
+            grads.append(g)
         if unscaled:  # already divided by the scale: check only
-            one = torch.ones((), dtype=torch.float32, device=self.loss_scaler.device)
+            one = torch.ones((), dtype=torch.float32, device=scaler.scale.device)
             return unscale_and_check_(grads, one)
         used, self._pending.scale_used = self._pending.scale_used, None
-        if self.loss_scaler.fixed_at_one and self._factor() == 1.0:
+        factor = 1.0 if self.loss_scale_factor is None else float(self.loss_scale_factor)
+        if scaler.fixed_at_one and factor == 1.0:
             # Check only: the masters' gradients are exact copies of the model's (bfloat16
             # O2, unscaled), so either holds this step's infs and NaNs.
             grads = self._master.gradients_to_check()
-        return self.loss_scaler.unscale_(grads, self._factor(), scale=used)
+        return scaler.unscale_(grads, factor, scale=used)
 
     def _prepare(self, params: list[torch.Tensor], fused: bool = False) -> torch.Tensor | None:
-        """Unscale and check this step's gradients; ``None`` if the window is not full."""
+        """This step's verdict: unscale and check (unless :meth:`unscale_` did), add to
+        the accumulation window, agree with the other ranks; ``None`` while the window
+        is not full."""
         found_inf, self._pending.unscaled_found_inf = self._pending.unscaled_found_inf, None
         if found_inf is None:
             found_inf = self._unscale(params, False, fused)
@@ -613,20 +619,24 @@ class LossScaleOptimizer(OptimizerWrapper):
             self._master.restore_model()  # the gradients as the user left them
         if self._accumulator is not None:
             found_inf = self._accumulator.window(params, found_inf)
-        # All ranks' verdict, before anything is applied (None: the window is not full).
-        return agree_on_found_inf(found_inf, self.process_group)
+            if found_inf is None:
+                return None
+        if dist.is_available() and dist.is_initialized():  # all ranks' verdict, before
+            found_inf = agree_on_found_inf(found_inf, self.process_group)  # anything applies
+        return found_inf
 
     def _fuses(self, step_kwargs: dict[str, Any] | None) -> bool:
         """Whether this step is the masters' fused one: no float32 master gradient is
         needed in memory (see ``MasterWeights.fused``) and nothing must see the
-        gradients unscaled before it."""
+        gradients unscaled before it: no step arguments, no :meth:`unscale_` before,
+        no accumulation or clipping, a scale fixed at 1."""
         return (
             not step_kwargs
             and self._pending.unscaled_found_inf is None
             and self._accumulator is None
             and (self.clipvalue, self.clipnorm, self.global_clipnorm) == (None, None, None)
             and self.loss_scaler.fixed_at_one
-            and self._factor() == 1.0
+            and (self.loss_scale_factor is None or float(self.loss_scale_factor) == 1.0)
             and self._master.fuses()
         )
 
@@ -693,39 +703,40 @@ class LossScaleOptimizer(OptimizerWrapper):
             shards=shards, process_group=self.process_group,
         )  # fmt: skip
 
-    def _step(self, step_kwargs: dict[str, Any] | None = None) -> None:
-        """The step on the gradients in ``.grad`` (still scaled, unless :meth:`unscale_` or
-        :meth:`check_unscaled_` took their verdict)."""
-        params = self._stepped_params()
-        fused = self._fuses(step_kwargs)
-        if fused and self._checks_in_step():  # what _unscale does, but the check
-            if not self.loss_scaler.take_scaled(self):
-                refuse_unscaled_gradients(self.loss_scaler, self._inner.param_groups)
-            self._pending.scale_used = None  # (1, as the scale is fixed at one)
-            skipped, found_inf = self._apply(params, None, step_kwargs, fused)
-        else:
-            window = self._prepare(params, fused)
-            if window is None:  # inside an accumulation window: nothing changes yet
-                return
-            skipped, found_inf = self._apply(params, window, step_kwargs, fused)
-        self.loss_scaler.update_after(self, found_inf)
-        self.loss_scaler.observe_step(skipped)  # may raise ScaleCollapseError
-
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` did), check, clip, apply or skip, update the scale.
 
         ``closure``, if given, runs first (gradients enabled) and must call
         ``self.scale_loss(loss).backward()``. Other keyword arguments go to the inner
-        optimizer's ``step`` (trainers such as Lightning forward theirs). Gradients that no :meth:`scale_loss` produced
-        raise ``RuntimeError``; a collapsed dynamic scale raises
-        :class:`~mixprec.ScaleCollapseError` (checked after skipped non-fused steps; fused
-        loops call ``opt.loss_scaler.raise_if_collapsed()`` where they sync anyway).
+        optimizer's ``step`` (trainers such as Lightning forward theirs). Gradients that
+        no :meth:`scale_loss` produced raise ``RuntimeError``; a collapsed dynamic scale
+        raises :class:`~mixprec.ScaleCollapseError` (checked after skipped non-fused
+        steps; fused loops call ``opt.loss_scaler.raise_if_collapsed()`` where they sync
+        anyway).
+
+        The pipeline, in order: the verdict (:meth:`_prepare`: unscale and check,
+        accumulate, ranks agree) → :meth:`_apply` (clip, the masters' step or skip, EMA,
+        copy back, count) → the scale's update (:meth:`LossScale.update_after
+        <mixprec.loss_scale.LossScale.update_after>`). The masters' step is their fused
+        one when nothing needs float32 master gradients in memory (:meth:`_fuses`).
         """
         result = None
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        self._step(step_kwargs=kwargs)
+        scaler, params = self.loss_scaler, [p for g in self._inner.param_groups for p in g["params"]]
+        fused = self._fuses(kwargs)
+        if fused and self._checks_in_step():  # what _unscale does, but the check
+            if not scaler.take_scaled(self):
+                refuse_unscaled_gradients(scaler, self._inner.param_groups)
+            self._pending.scale_used = None  # (1, as the scale is fixed at one)
+            skipped, found_inf = self._apply(params, None, kwargs, fused)
+        else:
+            window = self._prepare(params, fused)
+            if window is None:  # inside an accumulation window: nothing changes yet
+                return result
+            skipped, found_inf = self._apply(params, window, kwargs, fused)
+        scaler.update_after(self, found_inf, skipped)  # may raise ScaleCollapseError
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mixprec._checks import LOW_PRECISION
 from mixprec.loss_scale import step_or_skip
-from mixprec.numerics import cpu_shortcuts, dtensor_type, is_dtensor, is_flat_shard, local_shards
+from mixprec.numerics import dtensor_type, is_dtensor, is_flat_shard, local_shards
 from mixprec.optim._clipping import decay_
 from mixprec.optim.masters._fused import (
     HyperVectors,
@@ -111,8 +112,11 @@ class MasterWeights:
                 masters.append(master)
             group["params"] = masters
         self._low = [(p, m) for p, m in zip(self.model_params, self.masters) if p is not m]
+        # Whether a master is sharded (a DTensor or an FSDP1 flat shard): copies then go
+        # shard to shard. Known at wrapping: sharding comes before the optimizer.
+        self._sharded = any(is_dtensor(p) or is_flat_shard(p) for p, _ in self._low)
         self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
-        self._versions: dict[int, tuple[int, int]] = {}  # the parameters as we wrote them
+        self._versions: list[tuple[int, int]] = []  # the low parameters as we wrote them
         # Shown by unscale_(): (param, master, its own data, its own grad) ...
         self._shown: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]] = []
         # ... and sharded ones: (param, master, the gradient written, its version).
@@ -137,6 +141,7 @@ class MasterWeights:
                 self._low.append((p, master))
                 self._groups = None
             masters.append(master)
+        self._sharded = any(is_dtensor(p) or is_flat_shard(p) for p, _ in self._low)
         self._mark_model_current()
         return {**group, "params": masters}
 
@@ -154,8 +159,7 @@ class MasterWeights:
     #   stepped. The step (or zero_grad) gives the parameters their storage back.
 
     def _mark_model_current(self) -> None:
-        params = [p for p, _ in self._low]
-        self._versions = dict(zip(map(id, params), _written(params)))
+        self._versions = _written([p for p, _ in self._low])
 
     def adopt_model_edits(self) -> None:
         """Masters of model parameters written since the last copy (in place, or given new
@@ -165,7 +169,7 @@ class MasterWeights:
         master's extra bits, so re-loading the model's own checkpoint changes nothing.
         """
         now = _written([p for p, _ in self._low])
-        changed = [(p, m) for (p, m), w in zip(self._low, now) if w != self._versions.get(id(p))]
+        changed = [(p, m) for (p, m), w, v in zip(self._low, now, self._versions) if w != v]
         if not changed:
             return
         with torch.no_grad():
@@ -235,15 +239,19 @@ class MasterWeights:
         """Copy each low-precision gradient into its master's float32 gradient (fused).
 
         Masters whose gradient was dropped (``zero_grad(set_to_none=True)``) get views
-        of one new float32 buffer per group: one allocation and one fused copy a step,
-        not one cast kernel per parameter (DTensors, sharded, get their own casts).
-        Model parameters written since the last step first hand their values to their
-        masters (:meth:`adopt_model_edits`).
+        of one float32 buffer per group, kept from step to step: zero_grad frees its
+        storage and this grows it back under the same views (one allocation and one
+        fused copy a step, not one cast kernel per parameter; DTensors, sharded, get
+        their own casts). Model parameters written since the last step first hand
+        their values to their masters (:meth:`adopt_model_edits`). Written out in one
+        body, as it runs at every step.
         """
-        self.adopt_model_edits()
-        dtensor = dtensor_type()  # once, not per parameter: this loop runs every step
+        if _written([p for p, _ in self._low]) != self._versions:
+            self.adopt_model_edits()
+        dtensor = dtensor_type() if self._sharded else None  # looked up once a step
+        groups = self._groups if self._groups is not None else self._grouped()
         with torch.no_grad():
-            for index, (models, masters) in enumerate(self._grouped()):
+            for index, (models, masters) in enumerate(groups):
                 src, dst, missing = [], [], []
                 for p, m in zip(models, masters):
                     grad, master_grad = p.grad, m.grad
@@ -257,32 +265,27 @@ class MasterWeights:
                     else:
                         missing.append((grad, m))
                 if missing:
-                    views = self._gradient_views(index, [m for _, m in missing])
+                    key = tuple((id(m), m.shape, m.device) for _, m in missing)
+                    cached = self._grad_views.get(index)
+                    if cached is not None and cached[0] == key:  # last step's views
+                        flat, views = cached[1], cached[2]
+                        storage = flat.untyped_storage()
+                        if storage.nbytes() == 0:  # freed by zero_grad: grown back
+                            storage.resize_(flat.numel() * flat.element_size())
+                    else:
+                        sizes = [m.numel() for _, m in missing]
+                        flat = torch.empty(sum(sizes), dtype=torch.float32, device=masters[0].device)
+                        views = [v.view_as(m) for v, (_, m) in zip(flat.split(sizes), missing)]
+                        if self.reuses_gradient_views:
+                            self._grad_views[index] = (key, flat, views)
                     for (grad, m), view in zip(missing, views):
                         m.grad = view
                         src.append(grad)
                         dst.append(view)
-                if dst:
+                if dst and dtensor is None:
+                    torch._foreach_copy_(dst, src)
+                elif dst:
                     torch._foreach_copy_(local_shards(dst), local_shards(src))
-
-    def _gradient_views(self, index: int, masters: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Float32 gradients for ``masters`` (group ``index``), views of one buffer: the
-        views of the last step when they were made for the same masters (its storage
-        grown back if zero_grad freed it), else new ones."""
-        key = tuple((id(m), m.shape, m.device) for m in masters)
-        cached = self._grad_views.get(index)
-        if cached is not None and cached[0] == key:
-            flat, views = cached[1], cached[2]
-            storage = flat.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(flat.numel() * flat.element_size())
-            return views
-        sizes = [m.numel() for m in masters]
-        flat = torch.empty(sum(sizes), dtype=torch.float32, device=masters[0].device)
-        views = [view.view_as(m) for view, m in zip(flat.split(sizes), masters)]
-        if self.reuses_gradient_views:
-            self._grad_views[index] = (key, flat, views)
-        return views
 
     def gradients_to_check(self) -> list[torch.Tensor | None]:
         """After :meth:`grads_to_masters`, the tensors whose infs and NaNs are this step's:
@@ -300,8 +303,8 @@ class MasterWeights:
         >>> [t.shape for t in masters.gradients_to_check()]  # one buffer, not per parameter
         [torch.Size([3])]
         """
-        cpu = torch.device("cpu")
-        if not (cpu_shortcuts(cpu) and all(p.device.type == "cpu" for p in self.model_params)):
+        if not (_get_current_dispatch_mode() is None  # cpu_shortcuts, written out
+                and all(p.device.type == "cpu" for p in self.model_params)):
             return [p.grad for p in self.model_params]
         current = {id(m.grad) for _, m in self._low if m.grad is not None}
         tensors: list[torch.Tensor | None] = []
@@ -319,22 +322,17 @@ class MasterWeights:
     #: Whether master gradients keep their views between steps (see ``_grad_views``).
     reuses_gradient_views = True
 
-    def _free_gradient_views(self) -> None:
-        """Drop the masters' gradients that are kept views and free their storage."""
-        for _, flat, views in self._grad_views.values():
-            kept = set(map(id, views))
-            for m in self.masters:
-                if id(m.grad) in kept:
-                    m.grad = None
-            flat.untyped_storage().resize_(0)
-
     def masters_to_model(self) -> None:
         """Copy the masters back into the model's low-precision parameters (fused)."""
-        self.restore_model()
+        if self._shown or self._written:
+            self.restore_model()
         with torch.no_grad():
-            for models, masters in self._grouped():
-                torch._foreach_copy_(local_shards(models), local_shards(masters))
-        self._mark_model_current()
+            for models, masters in self._groups if self._groups is not None else self._grouped():
+                if not self._sharded:
+                    torch._foreach_copy_(models, masters)
+                else:
+                    torch._foreach_copy_(local_shards(models), local_shards(masters))
+        self._versions = _written([p for p, _ in self._low])  # _mark_model_current
 
     def step(
         self,
@@ -365,12 +363,14 @@ class MasterWeights:
         """Whether the next step can be the fused one (:attr:`fused`): this mode has
         one, its parameters are plain tensors (sharded masters copy shard to shard)
         and none shows its master (``unscale_()`` was not called)."""
-        if self._fused_mode is None or self._shown or self._written:
+        if self._fused_mode is None or self._shown or self._written or self.fused is False:
             return False
+        if self.fused is None and self.model_params and self.model_params[0].device.type != "cuda":
+            return False  # the default fuses on GPUs only: wants_fused's first test, early
         return wants_fused(self.optimizer, self.fused, self._fused_mode) and self._fusable()
 
     def _fusable(self) -> bool:
-        return not any(is_dtensor(p) or is_flat_shard(p) for p, _ in self._low)
+        return not self._sharded
 
     def fused_step(
         self, found_inf: torch.Tensor | None, skip: bool, weight_decay: float | None
@@ -410,8 +410,11 @@ class MasterWeights:
         return entries
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the model parameters' gradients (the masters' are overwritten each step)."""
-        self.restore_model()
+        """Clear the model parameters' gradients (the masters' are overwritten each step);
+        with ``set_to_none``, also the masters' gradients that are kept views, whose
+        buffer's storage is freed (the next step grows it back)."""
+        if self._shown or self._written:
+            self.restore_model()
         for p in self.model_params:
             if p.grad is None:
                 continue
@@ -420,7 +423,12 @@ class MasterWeights:
             else:
                 p.grad.detach_().requires_grad_(False).zero_()
         if set_to_none:
-            self._free_gradient_views()
+            for _, flat, views in self._grad_views.values():
+                kept = set(map(id, views))
+                for m in self.masters:
+                    if id(m.grad) in kept:
+                        m.grad = None
+                flat.untyped_storage().resize_(0)
 
     def state_dict(self) -> dict[str, Any]:
         self.adopt_model_edits()
