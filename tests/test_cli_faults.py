@@ -278,15 +278,38 @@ def test_a_checkpoint_without_model_or_with_a_negative_epoch(tmp_path, victim, c
             del payload[key]
         else:
             payload[key] = value
-        for name in ("epoch0001.pt", "epoch0002.pt"):
-            torch.save(payload, victim / "checkpoints" / name)
-        before = digest(victim)
-        capsys.readouterr()
-        assert train("--resume", str(victim), "--epochs", "3") == 2
-        line = one_line(capsys, "mixprec: error: --resume")
+        line = resume_refused(victim, capsys, payload, "mixprec: error: --resume")
         assert "epoch0002.pt: not a readable checkpoint" in line
         assert (f"no {key!r} entry" if value is None else "epoch is '-3'") in line
-        assert digest(victim) == before  # metrics.csv rows kept
+
+
+def resume_refused(run: Path, capsys, payload: dict, start: str) -> str:
+    """Both checkpoints of ``run`` replaced by ``payload``: ``--resume`` is one line
+    starting with ``start``, exit 2, and the run folder stays as it was (metrics.csv
+    rows kept). Returns the line."""
+    for name in ("epoch0001.pt", "epoch0002.pt"):
+        torch.save(payload, run / "checkpoints" / name)
+    before = digest(run)
+    capsys.readouterr()
+    assert train("--resume", str(run), "--epochs", "3") == 2
+    line = one_line(capsys, start)
+    assert digest(run) == before
+    return line
+
+
+@pytest.mark.parametrize("fault", ["rng", "callback"])
+def test_a_checkpoint_with_a_wrong_size_random_state_or_a_foreign_callback(victim, capsys, fault):
+    """A random-number state of another size, or the state of a callback this run does
+    not have: one line naming the file, exit 2, the run folder untouched."""
+    original = torch.load(victim / "checkpoints" / "epoch0002.pt", weights_only=True)
+    payload = dict(original)
+    if fault == "rng":
+        payload["rng"] = dict(original["rng"], torch=original["rng"]["torch"][:-8])
+    else:
+        payload["callbacks"] = dict(original["callbacks"], **{"EarlyStopping:0": {"wait": 1}})
+    line = resume_refused(victim, capsys, payload, "mixprec: error: ")
+    assert "epoch0002.pt" in line
+    assert ("random-number state" if fault == "rng" else "EarlyStopping:0") in line
 
 
 @pytest.mark.parametrize("damage", [b"\xff\xfe\x00garbage\n", b"epoch,step\nx,3\n"])

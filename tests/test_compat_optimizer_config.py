@@ -99,3 +99,20 @@ def test_classes_come_from_torch_optim_or_custom_objects_only():
         optimizer_from_config({"config": {}}, params())
     with pytest.raises(TypeError, match="params must be an iterable"):
         optimizer_from_config(config, 3)
+
+
+@pytest.mark.parametrize("registered_name", [None, "SGD"])
+def test_keras_serializers_registered_name_is_read(registered_name):
+    """Keras's ``serialize_keras_object`` adds ``registered_name`` to every config it
+    writes; the key is read (and resolved through ``custom_objects`` first, as Keras
+    does), while other unknown keys stay refused."""
+    opt = torch.optim.SGD(params(), lr=0.1, momentum=0.9)
+    config = dict(optimizer_config(opt), registered_name=registered_name)
+    again = optimizer_from_config(json.loads(json.dumps(config)), params())
+    assert type(again) is torch.optim.SGD and hyper(again) == hyper(opt)
+    with pytest.raises(ValueError, match=r"unknown keys \['extra'\]"):
+        optimizer_from_config(dict(config, extra=1), params())
+    keras_sgd = {"module": "keras.optimizers", "class_name": "SGD", "registered_name": None,
+                 "config": {"name": "SGD", "learning_rate": 0.01, "momentum": 0.0}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"a Keras optimizer's \(keras.optimizers.SGD\).*torch"):
+        optimizer_from_config(keras_sgd, params())

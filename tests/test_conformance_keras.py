@@ -93,3 +93,80 @@ def test_an_optimizer_that_cannot_be_rebuilt_from_its_hyperparameters_is_named()
     opt = LossScaleOptimizer(Momentum(net.parameters(), learning_rate=0.1, momentum=0.9))
     with pytest.raises(ValueError, match="Momentum cannot be rebuilt.*learning_rate"):
         opt.get_config()
+
+
+# -- Keras 3's optimizer_test.py and loss_scale_optimizer_test.py -------------------------
+
+
+def test_no_gradient_for_any_variable_is_a_value_error_and_changes_nothing():
+    """optimizer_test.py's test_empty_gradients: no gradient for any variable is a
+    ``ValueError`` and nothing moves (no step counted, the growth counter stays, so empty
+    calls never grow the scale); a missing gradient for some of them is a warning, and
+    the others are stepped."""
+    v = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [5.0, 6.0]]))
+    v2 = torch.nn.Parameter(torch.tensor([[3.0, 4.0], [5.0, 6.0]]))
+    opt = LossScaleOptimizer(torch.optim.SGD([v, v2], lr=1.0), dynamic_growth_steps=1)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="No gradients provided for any variable."):
+            opt.apply_gradients([(None, v)])
+        with pytest.raises(ValueError, match="No gradients provided for any variable."):
+            opt.apply([None, None])
+    assert int(opt.iterations) == 0 and int(opt.step_counter) == 0
+    assert float(opt.dynamic_scale) == 32768.0 and v.tolist() == [[3.0, 4.0], [5.0, 6.0]]
+    scaled_ones = torch.ones(2, 2) * float(opt.dynamic_scale)
+    with pytest.warns(
+        UserWarning, match=r"Gradients do not exist for variables \[grads_and_vars\[0\]"
+    ):
+        opt.apply_gradients([(None, v), (scaled_ones, v2)])
+    assert v.tolist() == [[3.0, 4.0], [5.0, 6.0]]
+    assert v2.tolist() == [[2.0, 3.0], [4.0, 5.0]]
+    assert int(opt.iterations) == 1
+
+
+def test_scale_loss_of_a_number_is_the_scaled_number():
+    """loss_scale_optimizer_test.py's test_downscaling and test_upscaling read the scale
+    as ``scale_loss(1.0)``: 400 halved four times is 25; 2 doubled every 2 of 8 finite
+    steps is 32. Scaling a number reads the scale and changes nothing."""
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    opt = LossScaleOptimizer(torch.optim.SGD([p], lr=0.5), initial_scale=400.0)
+    for _ in range(4):
+        opt.apply([torch.full((4,), float("inf"))], [p])
+    scaled = opt.scale_loss(1.0)
+    assert isinstance(scaled, torch.Tensor) and scaled.dtype == torch.float32
+    assert float(scaled) == 25.0 and p.tolist() == [1.0, 2.0, 3.0, 4.0]
+    opt = LossScaleOptimizer(torch.optim.SGD([p], lr=0.5), initial_scale=2.0,
+                             dynamic_growth_steps=2)  # fmt: skip
+    for _ in range(8):
+        opt.apply([torch.tensor([1.0, 6.0, 7.0, 2.0])], [p])
+    assert float(opt.scale_loss(1.0)) == 32.0 and float(opt.scale_loss(3)) == 96.0
+    p.grad = torch.ones(4)  # a number scaled is not a loss scaled: step() still refuses
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+    with pytest.raises(TypeError, match="loss must be a tensor or a number"):
+        opt.scale_loss("1.0")
+
+
+def test_a_keras_written_inner_config_with_registered_name_is_read():
+    """Keras's serializer writes ``registered_name`` beside ``module``, ``class_name`` and
+    ``config``: ``None`` for a built-in class, ``"package>Name"`` for a registered one,
+    which ``custom_objects`` may name instead of the class name (as Keras looks it up)."""
+    net, opt = make(initial_scale=16.0, name="ls")
+    config = json.loads(json.dumps(opt.get_config()))
+    config["inner_optimizer"]["registered_name"] = None
+    twin = LossScaleOptimizer.from_config(config, params=net.parameters())
+    assert twin.inner_optimizer.defaults == opt.inner_optimizer.defaults
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    custom = LossScaleOptimizer(MySGD(net.parameters(), lr=0.3)).get_config()
+    custom["inner_optimizer"]["registered_name"] = "my_package>MySGD"
+    rebuilt = LossScaleOptimizer.from_config(
+        custom, {"my_package>MySGD": MySGD}, params=net.parameters()
+    )
+    assert type(rebuilt.inner_optimizer) is MySGD and rebuilt.lr == 0.3
+    with pytest.raises(ValueError, match=r"custom_objects=\{'my_package>MySGD': MySGD\}"):
+        LossScaleOptimizer.from_config(custom, params=net.parameters())
+    custom["inner_optimizer"]["registered_name"] = 7
+    with pytest.raises(TypeError, match="registered_name must be a str or None, got 7"):
+        LossScaleOptimizer.from_config(custom, {"MySGD": MySGD}, params=net.parameters())

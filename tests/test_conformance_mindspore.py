@@ -204,3 +204,67 @@ def test_growth_past_float32_keeps_the_scale_a_deliberate_difference():
     assert float(scale) == 2.0**127
     mindspore_next = MindSporeCellRule(2, 1)(2.0**127, False)
     assert mindspore_next > float(np.finfo(np.float32).max)  # inf in MindSpore's float32
+
+
+# -- MindSpore's test_amp.py: build_train_network ------------------------------------------
+
+
+class NetWithLoss(torch.nn.Module):
+    """test_amp.py's ``Net``: a dense layer whose ``construct(input_x, label)`` returns the
+    MSE loss itself."""
+
+    def __init__(self, in_features, out_features):
+        super().__init__()
+        self.dense = torch.nn.Linear(in_features, out_features)
+        self.loss = torch.nn.MSELoss()
+
+    def forward(self, input_x, label):
+        return self.loss(self.dense(input_x), label)
+
+
+def amp_case(level, with_loss_in_network):
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(16, 16)
+    net = NetWithLoss(16, 16)
+    net.dense.load_state_dict(dense.state_dict())
+    model = net if with_loss_in_network else net.dense
+    optimizer = ms.Momentum(model.parameters(), learning_rate=0.1, momentum=0.9)
+    if with_loss_in_network:  # test_amp_o0 / test_amp_o2: no loss_fn
+        step = ms.build_train_network(net, optimizer, level=level)
+    else:  # test_amp_o0_loss / test_amp_o2_loss
+        step = ms.build_train_network(net.dense, optimizer, torch.nn.MSELoss(), level=level)
+    inputs, label = torch.ones(16, 16), torch.zeros(16, 16)
+    return net, step, [step(inputs, label) for _ in range(3)]
+
+
+def test_build_train_network_takes_a_network_that_returns_its_loss():
+    """``build_train_network(network, optimizer, loss_fn=None, level="O0")``: without
+    ``loss_fn`` the network's output is the loss, and every argument goes to it. At O0 the
+    steps equal those with ``loss_fn`` given and plain torch SGD with momentum, bit for bit;
+    at O2 the network is float16 and the loss float32 and falling."""
+    net, step, losses = amp_case("O0", with_loss_in_network=True)
+    _, _, with_loss_fn = amp_case("O0", with_loss_in_network=False)
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(16, 16)
+    sgd = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    expected = []
+    for _ in range(3):
+        sgd.zero_grad()
+        loss = torch.nn.functional.mse_loss(reference(torch.ones(16, 16)), torch.zeros(16, 16))
+        loss.backward()
+        sgd.step()
+        expected.append(loss.detach())
+    assert (
+        [float(x) for x in losses]
+        == [float(x) for x in with_loss_fn]
+        == [float(x) for x in expected]
+    )
+    assert torch.equal(net.dense.weight, reference.weight)
+    net, step, losses = amp_case("O2", with_loss_in_network=True)
+    assert net.dense.weight.dtype == torch.float16
+    assert all(x.dtype == torch.float32 for x in losses) and float(losses[-1]) < float(losses[0])
+    assert int(step.optimizer.iterations) + int(step.optimizer.skipped_steps) == 3
+    lone = torch.nn.Linear(16, 16)  # a network that does not return its loss
+    step = ms.build_train_network(lone, ms.Momentum(lone.parameters(), 0.1, 0.9))
+    with pytest.raises(ValueError, match="one-element tensor"):
+        step(torch.ones(2, 16))

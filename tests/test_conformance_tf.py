@@ -304,3 +304,81 @@ def test_hysteresis_counts_consecutive_overflows_unlike_tf_contrib():
     streak = [True, True, True, True]
     assert contrib_scales(streak, 1024.0, 100, 2) == [1024.0, 512.0, 512.0, 256.0]
     assert mixprec_scales(streak, 1024.0, 100, 2) == [1024.0, 512.0, 256.0, 128.0]
+
+
+# -- optimizer_v2's apply_gradients, minimize and get_gradients ----------------------------
+
+
+def test_apply_gradients_without_any_gradient_is_a_value_error_and_changes_nothing():
+    """optimizer_v2's ``_filter_grads``: no gradient for any variable is a ``ValueError``
+    (nothing applied, nothing counted: repeated empty calls never grow the scale); a
+    missing gradient for some of them is a warning, and the others are applied."""
+    var, inner = sgd(lr=1.0, momentum=0.0)
+    other = torch.nn.Parameter(torch.tensor([1.0]))
+    inner.add_param_group({"params": [other]})
+    opt = LossScaleOptimizer(inner, initial_scale=4.0, dynamic_growth_steps=1)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="No gradients provided for any variable"):
+            opt.apply_gradients([(None, var), (None, other)])
+        with pytest.raises(ValueError, match="No gradients provided for any variable"):
+            opt.minimize(lambda: torch.ones(()), var_list=[var])  # var is not used
+    assert int(opt.iterations) == 0 and int(opt.dynamic_counter) == 0
+    assert float(opt.loss_scale) == 4.0 and var.tolist() == [5.0] and other.tolist() == [1.0]
+    with pytest.warns(
+        UserWarning, match=r"Gradients do not exist for variables \[grads_and_vars\[1\]"
+    ):
+        opt.apply_gradients([(torch.tensor([2.0]), var), (None, other)])
+    assert var.tolist() == [3.0] and other.tolist() == [1.0] and int(opt.iterations) == 1
+
+
+def test_minimize_of_a_non_scalar_loss_differentiates_its_sum():
+    """``tape.gradient`` of a non-scalar target is the gradient of its sum: minimizing
+    ``v * 2`` moves every element by ``lr * 2``, exactly as minimizing ``(v * 2).sum()``."""
+    v = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    twin = torch.nn.Parameter(v.detach().clone())
+    opt = LossScaleOptimizer(torch.optim.SGD([v], lr=0.5))
+    reference = LossScaleOptimizer(torch.optim.SGD([twin], lr=0.5))
+    loss = opt.minimize(lambda: v * 2.0, var_list=[v])
+    reference.minimize(lambda: (twin * 2.0).sum(), var_list=[twin])
+    assert v.tolist() == [0.0, 1.0, 2.0] and torch.equal(v, twin)
+    assert loss.tolist() == [2.0, 4.0, 6.0]
+    assert int(opt.iterations) == 1 and float(opt.loss_scale) == float(reference.loss_scale)
+
+
+class IdentityWithGradCheck(torch.autograd.Function):
+    """``mp_test_util.create_identity_with_grad_check_fn``: the identity, whose backward
+    records the gradient it receives (TF asserts it equals the loss scale)."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        IdentityWithGradCheck.seen.append(grad.clone())
+        return grad
+
+
+def test_get_gradients_returns_unscaled_gradients_of_the_scaled_loss():
+    """testFixedLossScaleAppliedToLossWithGetGradients: ``get_gradients(loss, params)``
+    differentiates the loss times the scale (the backward pass sees 10) and returns the
+    gradients divided by it; nothing is applied, and the loss is not marked as scaled for
+    a later ``step()``."""
+    var = torch.nn.Parameter(torch.tensor([2.0]))
+    opt = LossScaleOptimizer(torch.optim.SGD([var], lr=1.0), dynamic=False, initial_scale=10.0)
+    IdentityWithGradCheck.seen.clear()
+    grads = opt.get_gradients(IdentityWithGradCheck.apply(var), [var])
+    assert [g.tolist() for g in IdentityWithGradCheck.seen] == [[10.0]]
+    assert isinstance(grads, list) and [g.tolist() for g in grads] == [[1.0]]
+    assert var.tolist() == [2.0] and var.grad is None and int(opt.iterations) == 0
+    dynamic = LossScaleOptimizer(torch.optim.SGD([var], lr=1.0), initial_scale=2.0**15)
+    w = torch.nn.Parameter(torch.tensor([1.0, 3.0]))
+    assert dynamic.get_gradients(lambda: (var * w).sum() * 0.5, [var])[0].tolist() == [2.0]
+    assert [g.tolist() for g in dynamic.get_gradients(var * 3.0, var)] == [[3.0]]
+    with pytest.raises(ValueError, match=r"params\[1\] of shape \(2,\) has `None` for gradient"):
+        dynamic.get_gradients(var * 3.0, [var, w])
+    var.grad = torch.ones(1)
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        dynamic.step()

@@ -290,6 +290,9 @@ def test_a_bad_new_scale_is_rejected_and_changes_nothing():
     for bad in [*bad_tensors, 0.0, -4.0, math.nan, math.inf]:
         with pytest.raises(ValueError, match="new_scale"):
             mine.update(bad)
+    for value in (math.nan, 0.0, -1.0, math.inf, -math.inf):  # the tensor forms, as the floats
+        with pytest.raises(ValueError, match=rf"new_scale must be .*finite.*, got {value}"):
+            mine.update(torch.tensor(value))
     with pytest.raises(TypeError, match="new_scale"):
         mine.update("8.0")
     assert mine.get_scale() == INIT
@@ -770,11 +773,11 @@ def count_syncs(kind: str, opt_name: str, overflow: bool, **scaler_kwargs) -> tu
 def test_step_and_update_sync_no_more_than_torch(opt_name, overflow, extra, expected):
     theirs = count_syncs("torch", opt_name, overflow)
     mine = count_syncs("mixprec", opt_name, overflow, **extra)
-    print(f"host syncs [{opt_name}, overflow={overflow}]: torch {theirs}, mixprec {mine}")
-    assert mine[0] == 0
-    assert mine[1] <= theirs[1]
+    # (scale, step + update) host syncs of each
+    assert mine[0] == 0, (theirs, mine)
+    assert mine[1] <= theirs[1], (theirs, mine)
     if expected is not None:
-        assert mine[1] == theirs[1] == expected
+        assert mine[1] == theirs[1] == expected, (theirs, mine)
 
 
 def test_a_skipped_non_fused_step_reads_the_flag_once_as_torch_does():

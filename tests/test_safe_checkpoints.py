@@ -224,3 +224,71 @@ def test_a_damaged_file_is_corrupt_not_unsafe_and_named(tmp_path, damage):
     with pytest.raises(CorruptCheckpointError, match="not a readable checkpoint") as err:
         resume_from(path)
     assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def refused_and_nothing_changed(path: Path, match: str, callbacks=()) -> str:
+    """Resume a fresh model from ``path``: a ``CheckpointError`` matching ``match``, one
+    line naming the file, and the network, the optimizer, the global random state, the
+    data loader's generator and the checkpoint folder as they were."""
+    from mixprec.train import CheckpointError
+
+    model, train = fresh_model()
+    weights = {k: v.clone() for k, v in model.network.state_dict().items()}
+    rng, loader = torch.get_rng_state(), train.generator.get_state()
+    files = folder_digest(path.parent)
+    with pytest.raises(CheckpointError, match=match) as err:
+        model.train(2, train, callbacks=list(callbacks), resume=path)
+    message = str(err.value)
+    assert str(path) in message and "\n" not in message
+    assert all(torch.equal(v, model.network.state_dict()[k]) for k, v in weights.items())
+    assert int(model.optimizer.iterations) == 0 and float(model.optimizer.loss_scale) == 1.0
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(train.generator.get_state(), loader)
+    assert folder_digest(path.parent) == files
+    return message
+
+
+@pytest.mark.parametrize("entry", ["torch", "loader"])
+@pytest.mark.parametrize("damage", ["short", "long", "float"])
+def test_a_random_state_of_the_wrong_size_or_type_is_refused_and_changes_nothing(
+    tmp_path, entry, damage
+):
+    small_model(tmp_path)
+    path = tmp_path / "epoch0001.pt"
+    payload = torch.load(path, weights_only=True)
+    state = payload["rng"][entry]
+    payload["rng"][entry] = {
+        "short": state[:-8],
+        "long": torch.cat([state, state[:16]]),
+        "float": state.float(),
+    }[damage]
+    torch.save(payload, path)
+    message = refused_and_nothing_changed(path, "random-number state")
+    assert f"rng['{entry}']" in message
+
+
+class Counts(Callback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_end(self, state):
+        self.steps += 1
+
+    def state_dict(self):
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state_dict):
+        self.steps = int(state_dict["steps"])
+
+
+def test_state_of_a_callback_this_run_lacks_is_refused_and_changes_nothing(tmp_path):
+    model, train = fresh_model()
+    model.train(1, train, callbacks=[Counts(), Counts(), ModelCheckpoint(tmp_path)])
+    path = tmp_path / "epoch0001.pt"
+    message = refused_and_nothing_changed(path, "Counts:1", callbacks=[Counts()])
+    assert "pass the same callbacks" in message
+    refused_and_nothing_changed(path, "Counts:0, Counts:1")  # none of them
+    resumed, train = fresh_model()
+    first, second = Counts(), Counts()
+    resumed.train(2, train, callbacks=[second, first], resume=path)  # any order
+    assert first.steps == second.steps == 2 * len(train)

@@ -8,6 +8,9 @@ and hyperparameters, never its parameters: those come back through ``params=``::
      "config": {"lr": 0.1, "momentum": 0.9, ...},      # the constructor's keywords
      "param_groups": [{"lr": 0.01}, {}]}               # only where groups differ
 
+A config that went through Keras's serializer also carries ``"registered_name"``
+(``None``, or ``"package>Name"``, which ``custom_objects`` may name as Keras's does).
+
 ``config`` holds each constructor keyword at its current value (a learning rate a
 scheduler or ``opt.lr = ...`` changed is saved as it is now) when all parameter
 groups agree, else at the constructor's value; ``param_groups`` (present only when
@@ -36,7 +39,9 @@ from typing import Any
 
 import torch
 
-_KEYS = {"module", "class_name", "config", "param_groups"}
+# "registered_name": the key Keras's serializer adds to every config it writes (None for
+# a built-in class, "package>Name" for a registered one).
+_KEYS = {"module", "class_name", "config", "param_groups", "registered_name"}
 
 
 def _constructor(cls: type) -> tuple[dict[str, inspect.Parameter], bool]:
@@ -93,13 +98,31 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def _resolve(config: Mapping[str, Any], custom_objects: Mapping[str, Any] | None) -> type:
     name, module = config["class_name"], config.get("module", "")
-    cls = (custom_objects or {}).get(name)
+    registered = config.get("registered_name")
+    if registered is not None and not isinstance(registered, str):
+        raise TypeError(
+            f"the optimizer config's registered_name must be a str or None, got {registered!r}"
+        )
+    custom = custom_objects or {}
+    # As Keras looks a class up: by its registered name first, then by its class name.
+    cls = custom.get(registered) if registered else None
+    if cls is None:
+        cls = custom.get(name)
     if cls is None and str(module).startswith("torch.optim"):
         cls = getattr(torch.optim, name, None)
+    if cls is None and str(module).split(".", 1)[0] in ("keras", "tf_keras", "tensorflow"):
+        # Its hyperparameters have Keras's names and meanings (learning_rate; Adam's epsilon
+        # added before the bias correction): no torch optimizer takes them as they are.
+        raise ValueError(
+            f"the inner optimizer's config is a Keras optimizer's ({module}.{name}); mixprec "
+            "wraps torch optimizers: build the torch one (e.g. torch.optim.SGD(params, "
+            "lr=...)) and put it in the config as config['inner_optimizer']"
+        )
     if cls is None:
+        key = registered or name
         raise ValueError(
             f"unknown optimizer class {name!r} (module {module!r}); pass "
-            f"custom_objects={{{name!r}: {name}}} to from_config"
+            f"custom_objects={{{key!r}: {name}}} to from_config"
         )
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"{name!r} resolves to {cls!r}, not a torch.optim.Optimizer subclass")
@@ -155,7 +178,7 @@ def optimizer_from_config(
     if not isinstance(config, Mapping) or not {"class_name", "config"} <= set(config):
         raise ValueError(
             f"an optimizer config is a dict with keys 'class_name' and 'config' (and "
-            f"optionally 'module', 'param_groups'), got {config!r}"
+            f"optionally 'module', 'param_groups', 'registered_name'), got {config!r}"
         )
     unknown = set(config) - _KEYS
     if unknown:

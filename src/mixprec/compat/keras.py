@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -196,6 +197,29 @@ class LossScaleOptimizer(TFOptimizerAPI, _CoreLossScaleOptimizer):
         if len(grads) != len(params):
             raise ValueError(f"got {len(grads)} gradients for {len(params)} variables")
         self.apply_gradients(list(zip(grads, params)))
+
+    def scale_loss(self, loss: Any) -> torch.Tensor:
+        """``loss * scale`` (and ``loss_scale_factor``); call ``.backward()`` on the result.
+
+        A plain number gives the scaled number as a float32 tensor, as Keras's
+        ``scale_loss(1.0)`` (its tests read the scale that way); that reads the scale and
+        changes nothing: only a tensor loss counts as a scaled loss for :meth:`step`.
+
+        >>> opt = LossScaleOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))]),
+        ...                          initial_scale=400.0)
+        >>> opt.scale_loss(1.0)
+        tensor(400.)
+        """
+        if isinstance(loss, torch.Tensor):
+            return super().scale_loss(loss)
+        if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+            raise TypeError(
+                f"loss must be a tensor or a number, got {type(loss).__name__}; "
+                "pass the loss tensor (e.g. opt.scale_loss(loss_fn(model(x), y)))"
+            )
+        # The arithmetic of the scaled loss, with a constant: nothing to differentiate.
+        scale = self.loss_scaler.scale.detach() * self._factor()
+        return torch.tensor(float(loss), dtype=torch.float32, device=scale.device) * scale
 
     @property
     def dynamic_scale(self) -> torch.Tensor:

@@ -37,6 +37,7 @@ tensor([0., 0.], requires_grad=True), 8.0)
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from collections.abc import Iterable, Mapping
 from enum import Enum
@@ -252,7 +253,9 @@ class GradScaler:
         return result
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Advance the scale by this iteration's overflow flags, or set it to ``new_scale``."""
+        """Advance the scale by this iteration's overflow flags, or set it to ``new_scale``
+        (a finite number > 0, as a float or a one-element tensor; a tensor's value is read
+        to check it, one sync)."""
         if not self._enabled:
             return
         if new_scale is not None:
@@ -261,6 +264,14 @@ class GradScaler:
                     raise ValueError(
                         "new_scale must be a float or a one-element tensor with "
                         f"requires_grad=False, got {new_scale!r}"
+                    )
+                # As the float form: a NaN, zero or negative scale would poison every later
+                # loss. Reading the value syncs, once, on this rare call.
+                number = float(new_scale)
+                if not (math.isfinite(number) and number > 0):
+                    raise ValueError(
+                        f"new_scale must be a finite number > 0, got {number} (a tensor "
+                        "holding it); pass e.g. torch.tensor(2.0**16)"
                     )
                 value: Any = new_scale.detach().reshape(()).to(self.loss_scale.scale)
             else:

@@ -75,7 +75,8 @@ class CheckpointError(ValueError):
     Raised by ``Model.train(resume=...)`` (and ``mixprec train --resume``, exit 2) before
     anything is changed: for a file that could run code (:class:`UnsafeCheckpointError`),
     a damaged one (:class:`CorruptCheckpointError`), one in a format this version does not
-    read, or one whose weights or optimizer state do not fit the model.
+    read, one whose weights, optimizer state or random-number states do not fit the model
+    and this machine, or one holding the state of a callback the resuming run lacks.
 
     >>> import tempfile, torch
     >>> from mixprec.train import Model
@@ -327,6 +328,54 @@ def _check_entries(path: Path, payload: dict[str, Any]) -> None:
     rng = payload["rng"]
     if not isinstance(rng.get("torch"), torch.Tensor) or "cuda" not in rng or "loader" not in rng:
         raise CorruptCheckpointError(f"{path}: not a readable checkpoint (damaged 'rng' entry)")
+    problem = _generator_refuses(rng["torch"], torch.device("cpu"))
+    if problem:
+        raise CorruptCheckpointError(
+            f"{path}: not a readable checkpoint (damaged 'rng' entry: rng['torch'] is not "
+            f"a random-number state torch can restore: {problem})"
+        )
+
+
+def _generator_refuses(state: Any, device: torch.device) -> str | None:
+    """Why a generator on ``device`` would refuse ``state`` (``None`` if it takes it).
+
+    Tried on a new generator, never on a live one: the check changes no random stream.
+    torch itself checks the type, the size and the content of a state; its error is one
+    line."""
+    if not isinstance(state, torch.Tensor):
+        return f"a {type(state).__name__}, not a tensor"
+    try:
+        torch.Generator(device=device).set_state(state.cpu())
+    except (RuntimeError, TypeError) as err:
+        return " ".join(str(err).split())[:160]
+    return None
+
+
+def _check_rng_fits(path: Path, rng: dict[str, Any], generator: torch.Generator | None) -> None:
+    """A :class:`CheckpointError` when a saved random-number state does not fit this
+    machine's generators (another size: another generator or device, or a damaged
+    file). Checked before anything is loaded; ``rng['torch']`` was checked on read."""
+    states = []
+    if rng["loader"] is not None and generator is not None:
+        states.append(("rng['loader']", rng["loader"], generator.device))
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        cuda = rng["cuda"]
+        if not isinstance(cuda, list | tuple) or len(cuda) != torch.cuda.device_count():
+            count = len(cuda) if isinstance(cuda, list | tuple) else type(cuda).__name__
+            raise CheckpointError(
+                f"{path}: its rng['cuda'] holds {count} random-number state(s) for the "
+                f"{torch.cuda.device_count()} CUDA device(s) here; resume on a machine with "
+                "as many devices as the run that wrote it"
+            )
+        states += [(f"rng['cuda'][{i}]", s, torch.device("cuda", i)) for i, s in enumerate(cuda)]
+    for name, state, device in states:
+        problem = _generator_refuses(state, device)
+        if problem:
+            raise CheckpointError(
+                f"{path}: its {name} is not a random-number state this {device.type} "
+                f"generator can restore ({problem}); the file is damaged or was written "
+                "for another generator"
+            )
 
 
 def _check_fits(path: Path, network: torch.nn.Module, saved: dict[str, Any]) -> None:
@@ -407,9 +456,12 @@ def load_checkpoint(
 ) -> None:
     """Restore what :func:`save_checkpoint` wrote into the given objects, in place.
 
-    Raises what :func:`read_checkpoint` raises, and ``ValueError`` when the file was
-    saved with another ``amp_level`` or ``dtype`` (the parameters would not match the
-    prepared network); in every such case nothing has been changed.
+    Raises what :func:`read_checkpoint` raises, ``ValueError`` when the file was saved
+    with another ``amp_level`` or ``dtype`` (the parameters would not match the prepared
+    network), and :class:`CheckpointError` when its weights, optimizer state or random
+    states do not fit, or when it holds the state of a callback that ``callbacks`` lacks
+    (that progress would be dropped without a word); in every such case nothing has been
+    changed: all of it is checked before anything is loaded.
     """
     payload = read_checkpoint(path, device)
     if payload["amp_level"] != amp_level or payload["dtype"] != str(dtype):
@@ -421,6 +473,12 @@ def load_checkpoint(
     path = Path(path)
     _check_fits(path, network, payload["model"])
     _check_optimizer_fits(path, optimizer, payload["optimizer"])
+    _check_rng_fits(path, payload["rng"], generator)
+    if payload["callbacks"] is not None and callbacks is not None:
+        try:
+            callbacks.check_state_dict(payload["callbacks"])
+        except ValueError as err:
+            raise CheckpointError(f"{path}: {err}") from None
     # The optimizer first: its load checks everything before it changes anything, and
     # the network's cannot fail after _check_fits. The other way round, a refused
     # optimizer state would leave the checkpoint's weights in a network whose optimizer

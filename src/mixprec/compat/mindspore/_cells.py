@@ -5,7 +5,7 @@
 * ``SoftmaxCrossEntropyWithLogits``, ``WithLossCell`` - the loss and the loss network.
 * ``TrainOneStepCell(network, optimizer, sens=1.0)`` - one step whose backward starts
   from ``sens``; ``CustomTrainOneStepCell`` divides the factor back out.
-* ``build_train_network(network, optimizer, loss_fn, level, loss_scale_manager)``.
+* ``build_train_network(network, optimizer, loss_fn=None, level, loss_scale_manager)``.
 
 >>> import torch
 >>> net = torch.nn.Linear(2, 1)
@@ -159,7 +159,7 @@ class CustomTrainOneStepCell(TrainOneStepCell):
 def build_train_network(
     network: nn.Module,
     optimizer: torch.optim.Optimizer,
-    loss_fn: Callable[..., torch.Tensor] | None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
     level: str = "O0",
     loss_scale_manager: Any = None,
     keep_batchnorm_fp32: bool | None = None,
@@ -167,6 +167,12 @@ def build_train_network(
     dtype: torch.dtype = torch.float16,
 ) -> TrainStep:
     """Prepare ``network`` for ``level`` and return its training step (MindSpore's name).
+
+    ``loss_fn=None`` (MindSpore's default): the network returns the loss itself, and the
+    step passes every argument to it, as MindSpore's own tests call
+    ``build_train_network(net, optimizer, level="O2")`` on a network whose
+    ``construct(input_x, label)`` computes its loss. With ``loss_fn``, the step applies
+    it to the network's output and the last argument (the label).
 
     ``loss_scale_manager``: ``None`` (the level's default: dynamic for float16
     O1/O2), ``"dynamic"``, a number (a static scale; overflowing steps are

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -86,32 +87,57 @@ class TFOptimizerAPI:
         """Apply already-unscaled gradients to their parameters (TF 2's ``apply_gradients``).
 
         Only the listed parameters are updated. The step is skipped if any gradient is
-        non-finite, and the loss scale is updated either way.
+        non-finite, and the loss scale is updated either way. A ``None`` gradient leaves
+        its parameter alone, with a warning; all of them ``None`` is a ``ValueError``
+        ("No gradients provided for any variable."), and nothing changes.
         """
         self._apply_pairs(grads_and_vars, scaled=False)
 
     def _apply_pairs(
-        self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]], scaled: bool
+        self,
+        grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]],
+        scaled: bool,
+        where: str = "grads_and_vars",
     ) -> None:
         """Step with the given gradients, still scaled or already unscaled: they stand in
-        ``.grad`` for the one step, and the gradients that were there come back after."""
+        ``.grad`` for the one step, and the gradients that were there come back after.
+
+        As TensorFlow and Keras filter empty gradients: none at all is a ``ValueError``
+        (before anything changes: no step is counted and the scale does not move), and
+        variables without one get a warning and are left as they are."""
         pairs = list(grads_and_vars)
         own = self.model_params()
         own_ids = {id(p) for p in own}
         for i, pair in enumerate(pairs):
             if not (isinstance(pair, tuple | list) and len(pair) == 2):
-                raise TypeError(f"grads_and_vars[{i}] must be a (grad, param) pair, got {pair!r}")
+                raise TypeError(f"{where}[{i}] must be a (grad, param) pair, got {pair!r}")
             g, p = pair
             if id(p) not in own_ids:
                 raise ValueError(
-                    f"grads_and_vars[{i}] names a tensor of shape {tuple(p.shape)} that this "
+                    f"{where}[{i}] names a tensor of shape {tuple(p.shape)} that this "
                     "optimizer does not hold; build the inner optimizer over it first"
                 )
             if g is not None and g.shape != p.shape:
                 raise ValueError(
-                    f"grads_and_vars[{i}]: gradient shape {tuple(g.shape)} does not match "
+                    f"{where}[{i}]: gradient shape {tuple(g.shape)} does not match "
                     f"parameter shape {tuple(p.shape)}"
                 )
+        missing = [f"{where}[{i}] of shape {tuple(p.shape)}" for i, (g, p) in enumerate(pairs)
+                   if g is None]  # fmt: skip
+        if len(missing) == len(pairs):
+            # Stepping would count an empty step and grow the scale on no evidence.
+            raise ValueError(
+                f"No gradients provided for any variable. ({len(pairs)} variable(s), every "
+                "gradient None: the loss does not depend on them; pass the variables the "
+                "loss was computed from)"
+            )
+        if missing:
+            warnings.warn(
+                f"Gradients do not exist for variables [{', '.join(missing)}] when minimizing "
+                "the loss; they are left as they are",
+                UserWarning,
+                stacklevel=3,
+            )
         saved = {id(p): p.grad for p in own}
         for p in own:
             p.grad = None
@@ -133,17 +159,40 @@ class TFOptimizerAPI:
         loss: torch.Tensor | Callable[[], torch.Tensor],
         var_list: Iterable[torch.Tensor] | torch.Tensor,
     ) -> torch.Tensor:
-        """Scale, differentiate, unscale, apply and update in one call; returns the loss."""
+        """Scale, differentiate, unscale, apply and update in one call; returns the loss.
+
+        A non-scalar loss is differentiated as its sum (TensorFlow's ``tape.gradient``);
+        variables it does not depend on are warned about and left alone, and none at all
+        is a ``ValueError`` (:meth:`apply_gradients`)."""
         var_list = [var_list] if isinstance(var_list, torch.Tensor) else list(var_list)
         with torch.enable_grad():
-            value = loss() if callable(loss) else loss
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"loss must be a tensor or return one, got {type(value).__name__}")
-            scaled_grads = torch.autograd.grad(self.scale_loss(value), var_list, allow_unused=True)
+            value = _loss_value(loss)
+            scaled_grads = (
+                _gradients(self.scale_loss(value), var_list)
+                if value.requires_grad
+                else [None] * len(var_list)  # a constant: the ValueError of _apply_pairs
+            )
         # The step unscales the scaled gradients in float32 (into the masters under master
         # weights); unscaling here, in float16, would flush small gradients to zero first.
-        self._apply_pairs(list(zip(scaled_grads, var_list)), scaled=True)
+        self._apply_pairs(list(zip(scaled_grads, var_list)), scaled=True, where="var_list")
         return value.detach()
+
+
+def _loss_value(loss: torch.Tensor | Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The loss tensor: ``loss`` itself, or what the callable returns."""
+    value = loss() if callable(loss) else loss
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"loss must be a tensor or return one, got {type(value).__name__}")
+    return value
+
+
+def _gradients(target: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The gradients of ``target`` with respect to ``params`` (``None`` where it does not
+    depend on one). A non-scalar target gives the gradients of its sum, as TensorFlow's
+    ``tape.gradient`` does."""
+    return list(
+        torch.autograd.grad(target, params, grad_outputs=torch.ones_like(target), allow_unused=True)
+    )
 
 
 def _tf_keys(loss_scale: core.LossScale) -> dict[str, Any]:
@@ -217,6 +266,42 @@ class LossScaleOptimizer(TFOptimizerAPI, _CoreLossScaleOptimizer):
             check_number("initial_scale", initial_scale, minimum=0, exclusive=True)
             loss_scale = FixedLossScale(initial_scale)
         super().__init__(inner_optimizer, loss_scale)
+
+    def get_gradients(
+        self,
+        loss: torch.Tensor | Callable[[], torch.Tensor],
+        params: Iterable[torch.Tensor] | torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """The gradients of ``loss`` with respect to ``params``, computed from the scaled
+        loss and returned unscaled (TF 2's ``get_gradients``); nothing is applied.
+
+        A non-scalar ``loss`` gives the gradients of its sum; a parameter the loss does not
+        depend on is a ``ValueError``, as in TensorFlow. Pass the result to
+        :meth:`apply_gradients`, which checks it and steps or skips.
+
+        >>> var = torch.nn.Parameter(torch.tensor([2.0]))
+        >>> opt = LossScaleOptimizer(torch.optim.SGD([var], lr=1.0), dynamic=False,
+        ...                          initial_scale=10.0)
+        >>> opt.get_gradients(var * 3.0, [var])
+        [tensor([3.])]
+        """
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        with torch.enable_grad():
+            value = _loss_value(loss)
+            scaled = self.loss_scaler.scale_loss(value, self._factor())
+            grads = _gradients(scaled, params) if value.requires_grad else [None] * len(params)
+        # These scaled gradients are handed back unscaled, never to a step: take the mark
+        # their backward left, so a later step() on gradients of no scaled loss is still
+        # refused.
+        self.loss_scaler.take_scaled(self)
+        for i, (g, p) in enumerate(zip(grads, params)):
+            if g is None:
+                raise ValueError(
+                    f"params[{i}] of shape {tuple(p.shape)} has `None` for gradient: the loss "
+                    "does not depend on it through differentiable ops; make sure every op "
+                    "between them has a gradient, or leave it out of params"
+                )
+        return [g for g in self.get_unscaled_gradients(grads) if g is not None]
 
     @classmethod
     def _with_loss_scale(

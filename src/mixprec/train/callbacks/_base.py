@@ -143,7 +143,7 @@ class CallbackList(Callback):
 
     def _keys(self) -> list[str]:
         # "History:0", "EarlyStopping:0", ...: a resumed run may pass its callbacks in
-        # another order, or fewer of them, and each still finds its own state.
+        # another order, and each still finds its own state.
         seen: dict[str, int] = {}
         keys = []
         for cb in self.callbacks:
@@ -156,8 +156,31 @@ class CallbackList(Callback):
         """Return ``{"History:0": its state, ...}`` for callbacks that have state."""
         return {key: sd for key, cb in zip(self._keys(), self.callbacks) if (sd := cb.state_dict())}
 
+    def check_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``ValueError`` when ``state_dict`` holds the state of a callback that is
+        not in this list: restoring the others would drop that progress without a word
+        (an ``EarlyStopping``'s patience count, a schedule's position).
+
+        >>> cbs = CallbackList([Callback()])
+        >>> cbs.check_state_dict({"EarlyStopping:0": {"wait": 1}})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: it holds the state of callbacks EarlyStopping:0, which this run does not have; ...
+        """
+        keys = set(self._keys())
+        foreign = [key for key in state_dict if key not in keys]
+        if foreign:
+            raise ValueError(
+                f"it holds the state of callbacks {', '.join(map(str, foreign))}, which this "
+                "run does not have; pass the same callbacks as the run that saved it, so "
+                "that their progress is restored"
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore each callback from the entry saved under its class name and occurrence."""
+        """Restore each callback from the entry saved under its class name and occurrence;
+        state for a callback not in this list is a ``ValueError`` (:meth:`check_state_dict`),
+        raised before any callback is restored."""
+        self.check_state_dict(state_dict)
         for key, cb in zip(self._keys(), self.callbacks):
             if key in state_dict:
                 cb.load_state_dict(state_dict[key])
