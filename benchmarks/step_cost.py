@@ -117,6 +117,7 @@ from benchmarks._common import (
     paired_ratio,
 )
 from benchmarks.recipes import build_recipe, make_optimizer
+from mixprec.kernels import adamw
 from mixprec.kernels import compiled as compiled_steps
 from mixprec.kernels.compiled import register_watch_hook
 from mixprec.optim._flat_params import is_dense
@@ -472,26 +473,27 @@ def fused_lean_cost(args: Sequence[Any]) -> OpCost:
     (:func:`mixprec.kernels.adamw.masters_adamw_math_`, positional ``args``): every
     tensor it is given read once, the weights, compensations or corrections and
     moments written once, in one loop per parameter and :data:`COMBO_NODES` loops per
-    launch. Float32 masters' model weights (``"fp32"``'s extras) are written only;
-    stochastic rounding's seed (its extras) is read only; ``"split8-8bit"``'s extras
+    launch. Float32 masters' model weights (their extras) are written only;
+    stochastic rounding's seed (its extras) is read only; 8 low bits with 8-bit
+    moments have extras
     are (correction, seed) pairs and its moments (codes, block scales) pairs. A
     ``found_inf`` of ``None`` (the step checks the gradients itself) reads every
     gradient once more, in a reduction per parameter before the loops, grouped as they
     are, plus one launch that combines the maxima and writes the verdict.
 
     >>> w = [torch.ones(4, dtype=torch.bfloat16)]
-    >>> cost = fused_lean_cost(("kahan", w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
+    >>> cost = fused_lean_cost((adamw.COMPENSATED, w, w, w, w, w, [torch.zeros(())], [torch.ones(1)],
     ...                         [torch.ones(4, dtype=torch.float64)], torch.zeros(())))
     >>> cost.launches, cost.nbytes  # 8 + 4 + 4 + 32 + 4 bytes read, 8 written: w repeats
     (1, 60)
     """
     weights, extras, _, exp_avgs, exp_avg_sqs = args[1:6]
-    write_only = {id(e) for e in extras if e is not None} if args[0] == "fp32" else set()
+    write_only = {id(e) for e in extras if e is not None} if args[0] == adamw.FLOAT32_MASTERS else set()
     read = [t for t in _unique(list(_tensors(list(args[1:10])))) if id(t) not in write_only]
     stepped: list[Any] = [c for c in extras if c is not None]
-    if args[0] == "stochastic":
+    if args[0] == adamw.STOCHASTIC_ROUNDING:
         stepped = []
-    elif args[0] == "split8-8bit":
+    elif args[0] == adamw.LOW_BITS8_MOMENTS8:
         stepped = [correction for correction, _ in extras]
     written = _unique(list(_tensors([weights, stepped, exp_avgs, exp_avg_sqs])))
     launches = -(-len(weights) // COMBO_NODES)

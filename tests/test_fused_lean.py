@@ -18,7 +18,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mixprec import LossScaleOptimizer
 from mixprec.kernels import compiled as compiled_steps
 from mixprec.kernels import join8_bits, kahan_adamw_
-from mixprec.kernels.adamw import masters_adamw_math_
+from mixprec.kernels.adamw import (
+    COMPENSATED,
+    FLOAT32_MASTERS,
+    LOW_BITS8,
+    LOW_BITS8_MOMENTS8,
+    STOCHASTIC_ROUNDING,
+    masters_adamw_math_,
+)
 from mixprec.kernels.compiled import lean_adamw_fused_
 from mixprec.optim import AdamW8bit
 from mixprec.optim.masters import LeanUpdates
@@ -137,7 +144,7 @@ def _assert_compiled_steps_as_eager(lists):
     eager = copy.deepcopy(lists)
     found = torch.zeros(())
     kahan_adamw_(*eager, found)
-    lean_adamw_fused_("kahan", *lists, found)
+    lean_adamw_fused_(COMPENSATED, *lists, found)
     for got, want in zip(lists, eager):
         for a, b in zip(got, want):
             if a is not None:
@@ -235,7 +242,7 @@ def test_a_process_stepping_more_models_than_dynamos_recompile_limit_still_steps
         for n in (3, 5):  # two layouts: the second is past the limit
             w = torch.ones(n)
             m, v, step = torch.zeros(n), torch.zeros(n), torch.zeros(())
-            lean_adamw_fused_("kahan", [w], [None], [torch.ones(n)], [m], [v], [step],
+            lean_adamw_fused_(COMPENSATED, [w], [None], [torch.ones(n)], [m], [v], [step],
                               [torch.ones(1)], hyper, torch.zeros(()))  # fmt: skip
             assert float(step) == 1 and bool(w.lt(1).all())
 
@@ -277,7 +284,7 @@ def test_a_profiler_sees_the_step_as_one_named_range():
     args = step_arguments("kahan", ((4, 3),))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with Quiet():
-            lean_adamw_fused_("kahan", *args)
+            lean_adamw_fused_(COMPENSATED, *args)
     assert "mixprec.lean_adamw" in [event.name for event in prof.events()]
 
 
@@ -360,10 +367,10 @@ def test_the_fused_stochastic_rounding_is_unbiased_and_compiles_to_its_eager_bit
         w = torch.ones(n, dtype=torch.bfloat16)
         m, v, count = torch.zeros_like(w), torch.zeros_like(w), torch.zeros(())
         g = torch.full_like(w, -1.0)
-        math("stochastic", [w], [seed], [g], [m], [v], [count], [torch.ones(1)], [hyper], found)
+        math(STOCHASTIC_ROUNDING, [w], [seed], [g], [m], [v], [count], [torch.ones(1)], [hyper], found)
         return w
 
-    eager, compiled = step(masters_adamw_math_), step(compiled_steps._compiled("stochastic"))
+    eager, compiled = step(masters_adamw_math_), step(compiled_steps._compiled(STOCHASTIC_ROUNDING))
     up = float((eager.float() - 1).div(ulp).mean())
     assert set((eager.float() - 1).div(ulp).unique().tolist()) == {0.0, 1.0}
     assert abs(up - 0.3) < 0.01  # ~5 standard deviations of the mean over 65536 draws
@@ -456,7 +463,12 @@ def _float32_masters(opt) -> list[torch.Tensor]:
     return [m.detach().clone() for _, m in master._low]
 
 
-@pytest.fixture(scope="module", params=MASTER_MODES)
+#: split8-8bit's fused step compiles for about a minute of CPU with a cold cache (the
+#: 8-bit codes' loops): its training runs with ``-m slow``; its compiled code is checked
+#: by ``test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loops``.
+@pytest.fixture(scope="module", params=[
+    pytest.param(mode, marks=[pytest.mark.slow] if mode == "split8-8bit" else [])
+    for mode in MASTER_MODES])  # fmt: skip
 def masters_trained(request):
     """20 steps fused (compiled), eager, and (split8-8bit) the fused step's own eager
     math: AdamW8bit's eager step draws its rounding noise otherwise."""
@@ -653,6 +665,7 @@ def test_split_masters_have_no_fused_step():
     assert not opt._master.fuses() and not opt._fuses(None)
 
 
+@pytest.mark.slow  # compiles split8-8bit's fused step (see ``masters_trained``)
 def test_fused_split8_8bit_resumes_bit_exactly_and_its_seed_is_checkpointed():
     data = _data(6)
     model = _model()
@@ -682,13 +695,13 @@ def test_adamw8bit_steps_fused_only_under_split8_masters():
     the fused 8-bit step is split8's. A loaded state of another size is refused."""
     model = _model()
     opt = _masters_opt(model, True, "split8-8bit")
-    assert opt._master._fused_mode == "split8-8bit" and opt._master.fuses()
+    assert opt._master._fused_mode == LOW_BITS8_MOMENTS8 and opt._master.fuses()
     inner = AdamW8bit(_model().parameters(), **HYPER)
     o2 = LossScaleOptimizer(inner, loss_scale=None, master_weights="fp32")
     o2._master.fused = True
     assert not o2._master.fuses()
-    assert "split8" in fused_adamw_unsupported(inner, "fp32")
-    assert fused_adamw_unsupported(torch.optim.AdamW([torch.ones(1)]), "split8-8bit") is not None
+    assert "split8" in fused_adamw_unsupported(inner, FLOAT32_MASTERS)
+    assert fused_adamw_unsupported(torch.optim.AdamW([torch.ones(1)]), LOW_BITS8_MOMENTS8) is not None
     _train_masters(model, opt, _data(1))
     key = opt._master._low[0][1]
     state = opt.inner_optimizer.state[key]
@@ -702,8 +715,14 @@ def test_adamw8bit_steps_fused_only_under_split8_masters():
 # ----------------------------------------------------------------------------- what compiles
 
 
+#: The kernels' weight format of each mode's fused step (what the masters pass them).
+FORMAT = {"kahan": COMPENSATED, "stochastic": STOCHASTIC_ROUNDING, "fp32": FLOAT32_MASTERS,
+          "split8": LOW_BITS8, "split8-8bit": LOW_BITS8_MOMENTS8}  # fmt: skip
+
+
 def step_arguments(mode: str, shapes: tuple, device: str = "cpu") -> tuple:
-    """One step's arguments of ``mode``'s math for bfloat16 parameters of ``shapes``."""
+    """One step's arguments of ``mode``'s math (its kernel format: :data:`FORMAT`) for
+    bfloat16 parameters of ``shapes``."""
     args: list[list] = [[] for _ in range(8)]
     for shape in shapes:
         w = torch.randn(shape, device=device).bfloat16()
@@ -745,7 +764,7 @@ def test_compiled_steps_keep_no_parameter_sized_buffer_and_no_power_in_their_loo
     shapes = ((40, 25), (64, 64), (2, 16384)) if mode == "kahan" else ((40, 25),)
     with torch._inductor.config.patch({"fx_graph_cache": False, "cpp.threads": 2}):
         _, (code, *_) = run_and_get_code(
-            compiled_steps.compile_math(mode), mode, *step_arguments(mode, shapes),
+            compiled_steps.compile_math(FORMAT[mode]), FORMAT[mode], *step_arguments(mode, shapes),
             steps_in_loop=mode != "split8-8bit")  # fmt: skip
     allocations = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", code)
     allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in allocations]

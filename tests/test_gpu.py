@@ -160,13 +160,13 @@ def test_the_compiled_master_steps_are_priced_right_on_cuda(mode):
     seen in inductor's CUDA code: no buffer of a parameter's size (the 8-bit step's block
     scales only), so the step's peak is the state at rest and the gradients, and the
     parameters' loops in one launch per 16 (its combo kernels)."""
-    from test_fused_lean import step_arguments
+    from test_fused_lean import FORMAT, step_arguments
     from torch._inductor.utils import run_and_get_code
 
     shapes = ((256, 256), 1000)  # a 2-D weight; a partial last 8-bit block
     with torch._inductor.config.patch(fx_graph_cache=False):
         _, codes = run_and_get_code(
-            compiled_steps.compile_math(mode), mode, *step_arguments(mode, shapes, "cuda"))
+            compiled_steps.compile_math(FORMAT[mode]), FORMAT[mode], *step_arguments(mode, shapes, "cuda"))
     code = "\n".join(codes)
     buffers = re.findall(r"empty_strided_cuda\(\(([^)]*)\)", code)
     allocated = [math.prod(int(d) for d in shape.split(",") if d.strip()) for shape in buffers]

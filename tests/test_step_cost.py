@@ -18,6 +18,7 @@ from benchmarks.step_cost import (
     op_cost,
     prepare,
 )
+from mixprec.kernels import adamw
 from mixprec.tools import live_tensor_bytes
 
 aten = torch.ops.aten
@@ -168,8 +169,8 @@ def test_counts_are_deterministic_and_bytes_per_parameter_are_exact(label):
 
 @pytest.mark.parametrize(
     ("label", "eager_label", "mode", "at_rest"),
-    [("lean fused bf16", "lean bf16", "kahan", 8.0),
-     ("lean stochastic fused bf16", "lean stochastic bf16", "stochastic", 6.0)],
+    [("lean fused bf16", "lean bf16", adamw.COMPENSATED, 8.0),
+     ("lean stochastic fused bf16", "lean stochastic bf16", adamw.STOCHASTIC_ROUNDING, 6.0)],
 )  # fmt: skip
 def test_the_compiled_lean_step_is_priced_as_one_read_and_write_of_each_tensor(
     label, eager_label, mode, at_rest
@@ -199,7 +200,7 @@ def test_the_compiled_o2_step_holds_no_float32_master_gradient():
     phase = fused["phases"]["optimizer"]
     launches = dict(phase["top_launches"])
     # Priced as on a GPU, where the finite check is apart from the step (a norm pass).
-    assert launches["fp32_adamw (compiled)"] == math.ceil(19 / step_cost.COMBO_NODES)
+    assert launches[f"{adamw.FLOAT32_MASTERS}_adamw (compiled)"] == math.ceil(19 / step_cost.COMBO_NODES)
     assert "_fused_adamw_" not in launches and "_foreach_copy_" not in launches
     assert "_foreach_norm" in launches
     assert phase["bytes"] < eager["phases"]["optimizer"]["bytes"]
@@ -216,7 +217,7 @@ def test_the_compiled_split8_adamw8bit_step_holds_no_float32_master_or_moment():
         "O2 split8+AdamW8bit bf16")
     phase = fused["phases"]["optimizer"]
     launches = dict(phase["top_launches"])
-    assert launches["split8-8bit_adamw (compiled)"] == math.ceil(19 / step_cost.COMBO_NODES)
+    assert launches[f"{adamw.LOW_BITS8_MOMENTS8}_adamw (compiled)"] == math.ceil(19 / step_cost.COMBO_NODES)
     assert "sqrt" not in launches and "random_" not in launches
     assert phase["launches"] < eager["phases"]["optimizer"]["launches"]
     assert phase["bytes"] < eager["phases"]["optimizer"]["bytes"]

@@ -78,8 +78,11 @@ LowPrecision: TypeAlias = Union[
 #: A loss scale (``mixprec.loss_scale_from_spec``): a kind, a fixed number, ``None`` or an object.
 LossScaleSpec: TypeAlias = Union[Literal["dynamic", "none"], float, int, None, "LossScale"]
 
-#: A master-weight mode (``mixprec.optim.masters.MODES``; ``True`` is ``"fp32"``).
-MasterWeights: TypeAlias = bool | Literal["fp32", "split", "split8", "kahan", "stochastic"]
+#: A master-weight mode's name (``mixprec.optim.masters.MODES``).
+MasterWeightsMode: TypeAlias = Literal["fp32", "split", "split8", "kahan", "stochastic"]
+
+#: ``master_weights=``: a mode's name, ``True`` (``"fp32"``) or ``False`` (none).
+MasterWeights: TypeAlias = bool | MasterWeightsMode
 
 #: A float8 recipe (``mixprec.amp._initialize.check_fp8``; ``True`` is ``"dynamic"``).
 Float8Recipe: TypeAlias = bool | Literal["dynamic", "delayed"] | None

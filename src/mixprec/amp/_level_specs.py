@@ -27,6 +27,8 @@ import torch
 
 from mixprec.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from mixprec.optim.masters import MODES, master_weight_mode, mode_of
+from mixprec.optim.masters import MasterWeights as Float32Masters
+from mixprec.optim.masters._lean import KAHAN
 
 if TYPE_CHECKING:
     from mixprec.typing import Level, MasterWeights, ModelLevel
@@ -198,9 +200,9 @@ _BY_NAME: dict[str, LevelSpec] = {
         # name, storage, forward, float16 and bfloat16 loss scale, masters
         LevelSpec("O0", "float32", "float32", "none", "none", False),
         LevelSpec("O1", "float32", "autocast", "dynamic", "none", False),
-        LevelSpec("O2", "low_norms_float32", "casts", "dynamic", "none", "fp32"),
+        LevelSpec("O2", "low_norms_float32", "casts", "dynamic", "none", Float32Masters.mode),
         LevelSpec("O3", "low", "casts", "none", "none", False),
-        LevelSpec("lean", "low", "casts", "none", "none", "kahan", alias_of="O3"),
+        LevelSpec("lean", "low", "casts", "none", "none", KAHAN, alias_of="O3"),
         LevelSpec("auto", None, None, None, None, None),
         LevelSpec("rewrite", "float32", "rewrite", "dynamic", "none", False, amp=False),
     )

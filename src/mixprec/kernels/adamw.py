@@ -39,6 +39,21 @@ HYPER_NAMES = ("lr", "beta1", "beta2", "eps")
 _Hyper = float | torch.Tensor  # a number, or a 0-dim float64 tensor in the compiled step
 
 
+#: The weight formats the fused AdamW math updates (the ``mode`` of
+#: :func:`masters_adamw_math_` and :func:`~mixprec.kernels.compiled.compile_math`):
+#: how one parameter's value is held, named for what the kernels read and write.
+#: A float32 master, and the model's low-precision copy written from it.
+FLOAT32_MASTERS = "float32_masters"
+#: A low-precision weight and a low-precision compensation of what its rounding lost.
+COMPENSATED = "compensated"
+#: A bfloat16 weight rounded stochastically, with the step's seed.
+STOCHASTIC_ROUNDING = "stochastic_rounding"
+#: A bfloat16 weight and the 8 low bits of its float32 value (float32 moments).
+LOW_BITS8 = "low_bits8"
+#: :data:`LOW_BITS8` weights with :class:`~mixprec.optim.AdamW8bit`'s 8-bit moments.
+LOW_BITS8_MOMENTS8 = "low_bits8_moments8"
+
+
 def _plus_product(
     x: torch.Tensor, a: float | torch.Tensor, y: torch.Tensor, z: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -250,9 +265,9 @@ def kahan_adamw_(
     one number: a loop of its own would be one more launch per parameter), or on a CPU
     in it (:func:`_steps_in_loop`).
     """
-    masters_adamw_math_("kahan", weights, compensations, grads, exp_avgs, exp_avg_sqs, steps,
-                      kept, hypers, found_inf, maximize, _steps_in_loop(weights, "kahan"))  # fmt: skip
-    _advance_apart(weights, steps, found_inf, "kahan")
+    masters_adamw_math_(COMPENSATED, weights, compensations, grads, exp_avgs, exp_avg_sqs, steps,
+                      kept, hypers, found_inf, maximize, _steps_in_loop(weights, COMPENSATED))  # fmt: skip
+    _advance_apart(weights, steps, found_inf, COMPENSATED)
 
 
 def masters_adamw_math_(
@@ -269,19 +284,19 @@ def masters_adamw_math_(
     maximize: bool = False,
     steps_in_loop: bool = False,
 ) -> list[torch.Tensor]:
-    """:func:`kahan_adamw_` (``mode="kahan"``, ``extras`` the compensations) or
-    ``"split8"`` (``extras`` the int8 corrections of :func:`~mixprec.kernels.bits.split8_bits`,
+    """:func:`kahan_adamw_` (``mode=COMPENSATED``, ``extras`` the compensations) or
+    :data:`LOW_BITS8` (``extras`` the int8 corrections of :func:`~mixprec.kernels.bits.split8_bits`,
     the moments float32: ``master = join8(w, q) * kept - update; w = round(master);
     q = split8(master, w)``), advancing ``steps`` only if
     ``steps_in_loop`` (:func:`_steps_in_loop`; else it reads them, and they advance
     apart): the part that compiles into one loop per parameter.
 
-    ``mode="stochastic"`` rounds ``w * kept - update`` stochastically into the bfloat16
+    :data:`STOCHASTIC_ROUNDING` rounds ``w * kept - update`` stochastically into the bfloat16
     weight (as :func:`~mixprec.kernels.rounding.stochastic_round`, with the noise of
     :func:`hashed_bits`); ``extras`` hold the step's int64 seed (``None`` for a float32
     parameter).
 
-    ``mode="fp32"`` is float32 masters' step (``master_weights="fp32"``): ``weights``
+    :data:`FLOAT32_MASTERS` is float32 masters' step (``master_weights="fp32"``): ``weights``
     are the masters, ``extras`` the model's low-precision weights (``None`` where the
     parameter is its own master), written and never read, and ``grads`` the model's
     own gradients, widened in the loop, so no float32 master gradient exists::
@@ -308,17 +323,17 @@ def masters_adamw_math_(
         step_size, root2 = adamw_bias_corrections(lr, beta1, beta2, t)
         corrections += [step_size, root2]
         update = adamw_direction(m32, v32, eps, step_size, root2)
-        split8 = mode == "split8" and extra is not None
+        split8 = mode == LOW_BITS8 and extra is not None
         start = join8_bits(w, extra) if split8 else w.float()
         keep = kept[i]  # None: no decay, and no multiply by one in the loop
         if keep is not None:
             start = start * keep.reshape(())  # 0-dim: a 0-dim weight stays so
         total = start - update
-        if mode == "fp32" and extra is not None:
+        if mode == FLOAT32_MASTERS and extra is not None:
             total = torch.where(skip, w, total)
             w.copy_(total)
             extra.copy_(total.to(extra.dtype))
-        elif mode == "stochastic" and extra is not None:
+        elif mode == STOCHASTIC_ROUNDING and extra is not None:
             bits = total.view(torch.int32) + hashed_bits(extra, i, w.shape, w.device)
             rounded = bits.bitwise_and(-65536).view(torch.float32).to(w.dtype)  # 0xFFFF0000
             w.copy_(torch.where(skip, w, rounded))
@@ -354,7 +369,7 @@ def split8_adamw8bit_math_(
     maximize: bool = False,
     steps_in_loop: bool = False,
 ) -> list[torch.Tensor]:
-    """``mode="split8-8bit"``: ``"split8"`` masters stepped by
+    """:data:`LOW_BITS8_MOMENTS8`: :data:`LOW_BITS8` masters stepped by
     :class:`~mixprec.optim.AdamW8bit`, in place, neither the float32 masters nor the
     float32 moments materialised: :func:`masters_adamw_math_`'s arguments, with
     ``extras[i]`` the pair (int8 correction or ``None`` for a float32 parameter, the
@@ -432,7 +447,7 @@ def _steps_in_loop(weights: list[torch.Tensor], mode: str) -> bool:
     loops for two parameters instead of 7). On a GPU a count advanced in the graph
     would be a kernel of its own, so one foreach launch after the call advances them
     all."""
-    return mode != "split8-8bit" and bool(weights) and cpu_shortcuts(weights[0].device)
+    return mode != LOW_BITS8_MOMENTS8 and bool(weights) and cpu_shortcuts(weights[0].device)
 
 
 def _advance_apart(weights: list[torch.Tensor], steps: list[torch.Tensor],

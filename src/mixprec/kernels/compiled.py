@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.kernels.adamw import (
+    LOW_BITS8_MOMENTS8,
     _advance_apart,
     _steps_in_loop,
     masters_adamw_math_,
@@ -33,7 +34,7 @@ COMBO_NODES = 16
 
 def _eager_math(mode: str) -> Any:
     """The eager function of ``mode``'s step (its own reference)."""
-    return split8_adamw8bit_math_ if mode == "split8-8bit" else masters_adamw_math_
+    return split8_adamw8bit_math_ if mode == LOW_BITS8_MOMENTS8 else masters_adamw_math_
 
 
 
@@ -77,7 +78,7 @@ def compile_math(mode: str, cpu_min_chunk: int = 16384) -> Any:
     options: dict[str, Any] = {"combo_kernels": True, "combo_kernel_max_num_nodes": COMBO_NODES,
                                "emulate_precision_casts": True, "size_asserts": False,
                                "cpp.min_chunk_size": cpu_min_chunk}  # fmt: skip
-    if mode == "split8-8bit":
+    if mode == LOW_BITS8_MOMENTS8:
         # Recompute, never store: left to its thresholds, inductor keeps the decoded
         # moments, the update and the hash's index in parameter-sized buffers (they feed
         # the block maxima and then the codes), about 20 bytes per parameter of the
@@ -129,9 +130,11 @@ def register_watch_hook(
 
 
 def lean_adamw_fused_(mode: str, *args: Any) -> torch.Tensor:
-    """:func:`~mixprec.kernels.adamw.kahan_adamw_` (``mode="kahan"``), ``"split8"``,
-    float32 masters' step (``"fp32"``: :func:`masters_adamw_math_`) or ``"split8"``
-    masters with ``AdamW8bit`` (``"split8-8bit"``: :func:`split8_adamw8bit_math_`),
+    """:func:`~mixprec.kernels.adamw.kahan_adamw_` (``mode``
+    :data:`~mixprec.kernels.adamw.COMPENSATED`), stochastic rounding, 8 low bits,
+    float32 masters' step (:func:`masters_adamw_math_`) or 8 low bits with
+    ``AdamW8bit``'s moments (:func:`split8_adamw8bit_math_`): the formats of
+    :mod:`mixprec.kernels.adamw`,
     same arguments after ``mode``, with the elementwise math through ``torch.compile``:
     one loop per parameter that reads and writes each tensor once, side by side in a
     few launches on a GPU (inductor's combo kernels). Under a ``TorchDispatchMode``

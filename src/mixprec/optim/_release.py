@@ -20,7 +20,7 @@ from mixprec.loss_scale import step_or_skip
 from mixprec.numerics import any_nonfinite
 from mixprec.optim._adamw8bit import AdamW8bit
 from mixprec.optim._clipping import clip_gradients_
-from mixprec.optim.masters import MODES, MasterMode
+from mixprec.optim.masters import MODES, MasterMode, MasterWeights
 
 
 def _option(row: MasterMode) -> bool | str:
@@ -123,7 +123,7 @@ class GradientRelease:
         check_number("clipnorm", clipnorm, minimum=0, exclusive=True, allow_none=True)
         check_number("clipvalue", clipvalue, minimum=0, exclusive=True, allow_none=True)
         if master_weights is True:
-            master_weights = "fp32"
+            master_weights = MasterWeights.mode
         released = {_option(row): row for row in MODES.values() if row.release}
         if not isinstance(master_weights, (bool, str)) or master_weights not in released:
             whole = tuple(row.name for row in MODES.values() if not row.release)
@@ -305,9 +305,10 @@ class GradientRelease:
                     f"GradientRelease has master_weights={self.master_weights!r}"
                 )
             if master is not None:
-                if saved_master.get("mode", "fp32") != getattr(master, "mode", "fp32"):
+                fp32 = MasterWeights.mode  # float32 masters' entries name no mode
+                if saved_master.get("mode", fp32) != getattr(master, "mode", fp32):
                     raise ValueError(
-                        f"the checkpoint's master weights are {saved_master.get('mode', 'fp32')!r}, "
+                        f"the checkpoint's master weights are {saved_master.get('mode', fp32)!r}, "
                         f"this GradientRelease's are {self.master_weights!r}"
                     )
                 _check_same_layout(master.state_dict(), saved_master, f"masters[{i}]")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mixprec._checks import LOW_PRECISION
+from mixprec.kernels.adamw import FLOAT32_MASTERS
 from mixprec.loss_scale import step_or_skip
 from mixprec.numerics import dtensor_type, is_dtensor, is_flat_shard, local_shards
 from mixprec.optim._clipping import decay_
@@ -17,6 +18,9 @@ from mixprec.optim.masters._fused import (
     kept_fractions,
     wants_fused,
 )
+
+if TYPE_CHECKING:
+    from mixprec.typing import MasterWeightsMode
 
 
 def _written(params: list[torch.Tensor]) -> list[tuple[int, int]]:
@@ -74,6 +78,8 @@ class MasterWeights:
                 "or leave master_weights=False"
             )
 
+    #: The mode's name in the registry and in checkpoints.
+    mode: ClassVar[MasterWeightsMode] = "fp32"
     #: What ``LossScaleOptimizer.master_weights`` reports (the protocol's ``option``).
     option: bool | str = True
     stateful = True
@@ -89,7 +95,7 @@ class MasterWeights:
     #: What :meth:`fused_step` computes (a format of
     #: :func:`~mixprec.kernels.adamw.masters_adamw_math_`);
     #: ``None``: this mode has no fused step.
-    _fused_mode: str | None = "fp32"
+    _fused_mode: str | None = FLOAT32_MASTERS
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.check(optimizer)

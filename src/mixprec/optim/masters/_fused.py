@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optimizer_module
 
-from mixprec.kernels.adamw import HYPER_NAMES
+from mixprec.kernels.adamw import HYPER_NAMES, LOW_BITS8, LOW_BITS8_MOMENTS8
 from mixprec.kernels.compiled import compile_unsupported, lean_adamw_fused_
 from mixprec.numerics import any_nonfinite
 from mixprec.optim._adamw8bit import AdamW8bit
@@ -99,8 +99,8 @@ def fused_adamw_step(
     """Step ``entries`` (the parameters with gradients) with :func:`lean_adamw_fused_`,
     one call per device and ``maximize``, ``optimizer.state`` holding torch AdamW's
     state (created on a first step as torch's fused AdamW creates it: float32 moments
-    for ``"split8"``'s masters, the weight's dtype for ``"kahan"``), or for
-    ``"split8-8bit"`` :class:`~mixprec.optim.AdamW8bit`'s (its codes and block scales;
+    for 8 low bits' masters, the weight's dtype for a compensated weight), or for
+    8 low bits with 8-bit moments :class:`~mixprec.optim.AdamW8bit`'s (its codes and block scales;
     one seed a step per device drawn from its checkpointed generator).
 
     ``found_inf`` ``None`` (with ``skip``) leaves the finite check to the step: inside
@@ -116,7 +116,7 @@ def fused_adamw_step(
         if entry[4].is_sparse:
             raise RuntimeError(f"{type(optimizer).__name__} does not support sparse gradients")
         calls.setdefault((entry[2].device, bool(entry[0].get("maximize"))), []).append(entry)
-    eight_bit: Any = optimizer if mode == "split8-8bit" else None  # an AdamW8bit
+    eight_bit: Any = optimizer if mode == LOW_BITS8_MOMENTS8 else None  # an AdamW8bit
     if eight_bit is not None:  # a loaded state must fit (checked before anything changes)
         for _, key, weight, _, _, _ in entries:
             if optimizer.state.get(key):
@@ -132,7 +132,7 @@ def fused_adamw_step(
             if eight_bit is not None:
                 optimizer.state[key] = eight_bit._fresh_state(weight.numel(), weight.device)
                 continue
-            dtype = torch.float32 if mode == "split8" else weight.dtype
+            dtype = torch.float32 if mode == LOW_BITS8 else weight.dtype
             optimizer.state[key] = {
                 "step": torch.zeros((), dtype=torch.float32, device=weight.device),
                 "exp_avg": torch.zeros_like(weight, dtype=dtype),
@@ -209,12 +209,13 @@ def fused_adamw_unsupported(optimizer: torch.optim.Optimizer, mode: str) -> str 
     """Why :func:`lean_adamw_fused_` cannot take ``optimizer``'s step in ``mode``, or
     ``None``: it must be ``torch.optim.AdamW`` (or ``Adam`` with decoupled weight decay)
     without ``amsgrad`` or ``differentiable``, with numbers or tensors for its
-    hyperparameters; or, for ``"split8-8bit"``, :class:`~mixprec.optim.AdamW8bit`."""
+    hyperparameters; or, for :data:`~mixprec.kernels.adamw.LOW_BITS8_MOMENTS8`,
+    :class:`~mixprec.optim.AdamW8bit`."""
     eight_bit = type(optimizer) is AdamW8bit
-    if mode == "split8-8bit" or eight_bit:
-        if eight_bit and mode == "split8-8bit":
+    if mode == LOW_BITS8_MOMENTS8 or eight_bit:
+        if eight_bit and mode == LOW_BITS8_MOMENTS8:
             return None
-        return (f"{type(optimizer).__name__} with master_weights={mode.split('-')[0]!r}: "
+        return (f"{type(optimizer).__name__} in the {mode!r} format: "
                 "AdamW8bit steps fused only under master_weights='split8'")  # fmt: skip
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
         return f"{type(optimizer).__name__} is not torch.optim.AdamW"

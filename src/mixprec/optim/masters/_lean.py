@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from mixprec._checks import LOW_PRECISION, check_bool, check_choice
+from mixprec.kernels.adamw import COMPENSATED, STOCHASTIC_ROUNDING
 from mixprec.kernels.bits import high_halves
 from mixprec.kernels.compiled import compile_unsupported
 from mixprec.kernels.rounding import add_rounding_noise_
 from mixprec.loss_scale import step_or_skip
 from mixprec.numerics import is_dtensor
 from mixprec.optim._flat_params import FlatParameters
+from mixprec.optim.masters._float32 import MasterWeights
 from mixprec.optim.masters._fused import (
     HyperVectors,
     fused_adamw_step,
@@ -23,6 +25,12 @@ from mixprec.optim.masters._fused import (
     kept_fractions,
     wants_fused,
 )
+
+#: The two modes of this family, as the registry names them.
+KAHAN: Final = "kahan"
+STOCHASTIC: Final = "stochastic"
+# The weight format each mode's fused step updates (mixprec.kernels.adamw).
+_FORMATS = {KAHAN: COMPENSATED, STOCHASTIC: STOCHASTIC_ROUNDING}
 
 
 def _device_types(optimizer: torch.optim.Optimizer) -> set[str]:
@@ -136,7 +144,7 @@ class LeanUpdates:
         if fused is not None:
             check_bool("fused", fused, hint="or None (compiled with a fused AdamW on a GPU)")
         if fused:
-            reason = fused_adamw_unsupported(optimizer, mode) or next(
+            reason = fused_adamw_unsupported(optimizer, _FORMATS[mode]) or next(
                 filter(None, map(compile_unsupported, _device_types(optimizer))), None
             )
             if reason:
@@ -145,6 +153,7 @@ class LeanUpdates:
                     f"{reason}; pass fused=None or False"
                 )
         self.optimizer, self.mode, self.seed, self.fused = optimizer, mode, seed, fused
+        self._format = _FORMATS[mode]
         self._hypers = HyperVectors()  # the fused step's hyperparameters
         self.model_params: list[torch.Tensor] = []
         self._low: list[torch.Tensor] = []
@@ -158,7 +167,7 @@ class LeanUpdates:
     @staticmethod
     def check(optimizer: torch.optim.Optimizer, mode: str) -> None:
         """Raise ``ValueError`` unless ``mode`` can step ``optimizer``; change nothing."""
-        check_choice("mode", mode, ("kahan", "stochastic"))
+        check_choice("mode", mode, tuple(_FORMATS))
         for group in optimizer.param_groups:
             LeanUpdates._check_group(optimizer, mode, group)
         if not any(p.dtype in LOW_PRECISION for g in optimizer.param_groups for p in g["params"]):
@@ -184,7 +193,7 @@ class LeanUpdates:
                     f"master_weights={mode!r} does not support sharded (DTensor) "
                     "parameters; use master_weights='fp32' with FSDP2"
                 )
-            if mode == "stochastic" and p.dtype == torch.float16:
+            if mode == STOCHASTIC and p.dtype == torch.float16:
                 raise ValueError(
                     "master_weights='stochastic' rounds to bfloat16, but a parameter is "
                     "float16; cast the model to bfloat16 or use master_weights='kahan'"
@@ -200,7 +209,7 @@ class LeanUpdates:
             self._low.append(p)
             key = str(p.device)
             # Only stochastic rounding draws random numbers; kahan saves no generator state.
-            if self.mode == "stochastic" and key not in self._generators:
+            if self.mode == STOCHASTIC and key not in self._generators:
                 self._generators[key] = torch.Generator(device=p.device).manual_seed(self.seed)
             last = runs[-1] if runs else None
             if not p.is_contiguous():
@@ -217,7 +226,7 @@ class LeanUpdates:
         for run in runs:
             if not run.loose:
                 run.storage = FlatParameters(run.params)
-            if self.mode != "kahan":
+            if self.mode != KAHAN:
                 continue
             first = run.params[0]
             if run.loose:  # its own buffer, laid out as the parameter (and its gradient)
@@ -314,7 +323,7 @@ class LeanUpdates:
         self._follow()
         with torch.no_grad():
             flats = self._buffers()
-            if self.mode == "kahan":  # views of the runs' flat storage, made once
+            if self.mode == KAHAN:  # views of the runs' flat storage, made once
                 buffers = self.compensation
             else:
                 buffers = [b for run in self._runs for b in self._views(run, flats[id(run)])]
@@ -349,7 +358,7 @@ class LeanUpdates:
         """Whether this step is the fused one (see the class docstring)."""
         if step_kwargs:
             return False
-        return bool(wants_fused(self.optimizer, self.fused, self.mode))
+        return bool(wants_fused(self.optimizer, self.fused, self._format))
 
     def fuses(self) -> bool:
         """Whether the next step (without keyword arguments) is the fused one."""
@@ -367,7 +376,7 @@ class LeanUpdates:
         self._follow()
         device = self._low[0].device if self._low else None
         kept = kept_fractions(self.optimizer, found_inf, skip, weight_decay, device)
-        if self.mode == "kahan":
+        if self.mode == KAHAN:
             extras: dict[int, Any] = dict(zip(map(id, self._low), self.compensation))
         else:
             seeds = {
@@ -382,7 +391,7 @@ class LeanUpdates:
         ]  # fmt: skip
         with torch.no_grad():
             return fused_adamw_step(
-                self.mode, self.optimizer, entries, found_inf, skip, self._hypers)  # fmt: skip
+                self._format, self.optimizer, entries, found_inf, skip, self._hypers)  # fmt: skip
 
     def _one(self, device: torch.device) -> torch.Tensor:
         one = self._ones.get(device)
@@ -434,7 +443,7 @@ class LeanUpdates:
         every parameter of the run (stochastic: those with gradients, drawing their noise
         in order)."""
         members = run.params
-        if self.mode == "stochastic":
+        if self.mode == STOCHASTIC:
             members = [p for p in members if p.grad is not None]
         if not members:
             return
@@ -449,7 +458,7 @@ class LeanUpdates:
             values = _flat(members)
             buffer = torch.cat([views[id(p)].view(-1) for p in members])
         total = self._total(values, buffer, members, kept)
-        if self.mode == "kahan":
+        if self.mode == KAHAN:
             values.copy_(total)
             torch.sub(total, values, out=flat)  # c = total - p, rounded once into the buffer
             if not (run.loose or run.storage is None or run.storage.held):
@@ -499,13 +508,14 @@ class LeanUpdates:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("mode") if isinstance(state, dict) else None
         if saved != self.mode:
+            saved = saved or MasterWeights.mode  # float32 masters' entries name no mode
             raise ValueError(
-                f"the checkpoint's master weights are {saved or 'fp32'!r}, this optimizer's "
-                f"are {self.mode!r}; build the optimizer with master_weights={saved or 'fp32'!r}"
+                f"the checkpoint's master weights are {saved!r}, this optimizer's "
+                f"are {self.mode!r}; build the optimizer with master_weights={saved!r}"
             )
         # Older kahan checkpoints carry a generator state it never used: ignored.
         comp = state["compensation"]
-        gens = state.get("generators", {}) if self.mode == "stochastic" else {}
+        gens = state.get("generators", {}) if self.mode == STOCHASTIC else {}
         if (
             len(comp) != len(self.compensation)
             or any(s.shape != c.shape for s, c in zip(comp, self.compensation))

@@ -11,7 +11,7 @@ import torch
 
 from mixprec._checks import check_choice
 from mixprec.optim.masters._float32 import MasterWeights
-from mixprec.optim.masters._lean import LeanUpdates
+from mixprec.optim.masters._lean import KAHAN, STOCHASTIC, LeanUpdates
 from mixprec.optim.masters._plain import ModelParameters
 from mixprec.optim.masters._protocol import Masters
 from mixprec.optim.masters._split import Split8MasterWeights, SplitMasterWeights
@@ -81,28 +81,28 @@ MODES: dict[str, MasterMode] = {
                    False, "any parameters", 6.0, fused=False, ema=True, release=True,
                    dtypes=_BOTH, state_in_parameter_dtype=True,
                    check=ModelParameters.check, build=ModelParameters),
-        MasterMode("fp32", "float32 master weights",
+        MasterMode(MasterWeights.mode, "float32 master weights",
                    True, "float16 or bfloat16 parameters", 14.0, fused=True, ema=True,
                    release=True, dtypes=_BOTH, state_in_parameter_dtype=False,
                    check=MasterWeights.check, build=MasterWeights),
-        MasterMode("split", "float32 masters rebuilt from the weight and 16 bits",
-                   "split", "plain bfloat16 parameters", 12.125, fused=False,
+        MasterMode(SplitMasterWeights.mode, "float32 masters rebuilt from the weight and 16 bits",
+                   SplitMasterWeights.option, "plain bfloat16 parameters", 12.125, fused=False,
                    ema=False, release=True, dtypes=_BF16, state_in_parameter_dtype=False,
                    check=SplitMasterWeights.check, build=SplitMasterWeights),
-        MasterMode("split8", "float32 masters rebuilt from the weight and 8 bits",
-                   "split8", "plain bfloat16 parameters", 11.0, fused=True,
+        MasterMode(Split8MasterWeights.mode, "float32 masters rebuilt from the weight and 8 bits",
+                   Split8MasterWeights.option, "plain bfloat16 parameters", 11.0, fused=True,
                    ema=False, release=True, dtypes=_BF16, state_in_parameter_dtype=False,
                    check=Split8MasterWeights.check, build=Split8MasterWeights),
-        MasterMode("kahan", "Kahan-compensated updates",
-                   "kahan", "float16 or bfloat16 parameters", 8.0, fused=True,
+        MasterMode(KAHAN, "Kahan-compensated updates",
+                   KAHAN, "float16 or bfloat16 parameters", 8.0, fused=True,
                    ema=True, release=False, dtypes=_BOTH, state_in_parameter_dtype=True,
-                   check=functools.partial(LeanUpdates.check, mode="kahan"),
-                   build=functools.partial(LeanUpdates, mode="kahan")),
-        MasterMode("stochastic", "stochastically rounded updates",
-                   "stochastic", "bfloat16 parameters", 6.0, fused=True,
+                   check=functools.partial(LeanUpdates.check, mode=KAHAN),
+                   build=functools.partial(LeanUpdates, mode=KAHAN)),
+        MasterMode(STOCHASTIC, "stochastically rounded updates",
+                   STOCHASTIC, "bfloat16 parameters", 6.0, fused=True,
                    ema=True, release=False, dtypes=_BF16, state_in_parameter_dtype=True,
-                   check=functools.partial(LeanUpdates.check, mode="stochastic"),
-                   build=functools.partial(LeanUpdates, mode="stochastic")),
+                   check=functools.partial(LeanUpdates.check, mode=STOCHASTIC),
+                   build=functools.partial(LeanUpdates, mode=STOCHASTIC)),
     )
 }  # fmt: skip
 
@@ -117,7 +117,7 @@ def master_weight_mode(value: Any) -> MasterWeightsOption:
     ('fp32', 'kahan', False)
     """
     if value is True:
-        return "fp32"
+        return cast("MasterWeightsOption", MasterWeights.mode)
     if not isinstance(value, (bool, str)):
         names = ", ".join(repr(n) for n in MASTER_WEIGHT_MODES if n)
         raise TypeError(

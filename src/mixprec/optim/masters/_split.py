@@ -3,15 +3,19 @@ weight and 16 or 8 more bits kept beside it (:mod:`mixprec.kernels.bits`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from mixprec.kernels.adamw import LOW_BITS8, LOW_BITS8_MOMENTS8
 from mixprec.kernels.bits import join8_bits, join_bits, split8_bits, split_bits
 from mixprec.numerics import is_dtensor
 from mixprec.optim._adamw8bit import AdamW8bit
 from mixprec.optim._flat_params import FlatParameters
 from mixprec.optim.masters._float32 import MasterWeights
+
+if TYPE_CHECKING:
+    from mixprec.typing import MasterWeightsMode
 
 
 class SplitMasterWeights(MasterWeights):
@@ -46,8 +50,8 @@ class SplitMasterWeights(MasterWeights):
     (0, 1.000244140625)
     """
 
-    mode = "split"
-    option: bool | str = "split"
+    mode: ClassVar[MasterWeightsMode] = "split"
+    option: bool | str = mode
     _fused_mode: str | None = None  # the tie bits, eight to a byte, are not elementwise
 
     @classmethod
@@ -226,18 +230,18 @@ class Split8MasterWeights(SplitMasterWeights):
     (1.0, 0.00098, 0.00098)
     """
 
-    mode = "split8"
-    option: bool | str = "split8"
+    mode: ClassVar[MasterWeightsMode] = "split8"
+    option: bool | str = mode
 
     # The fused step (:attr:`fused`) reads and writes each weight, int8 correction,
     # gradient and moment once: no float32 master or master gradient is built. With
     # AdamW8bit, the moments' codes and block scales too: no float32 moment either.
-    _fused_mode = "split8"
+    _fused_mode = LOW_BITS8
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
         if type(optimizer) is AdamW8bit:
-            self._fused_mode = "split8-8bit"
+            self._fused_mode = LOW_BITS8_MOMENTS8
 
     # The base class keeps one flat buffer per (device, dtype) group and rebuilds or
     # splits a whole group in a few kernels; this mode only changes what is kept.
@@ -295,8 +299,8 @@ class Split8MasterWeights(SplitMasterWeights):
         """Load this mode's corrections (bit-exact with the model's weights), or the
         float32 masters of an ``"fp32"``/``"split"`` checkpoint (rounded to this mode's).
         Everything is checked before anything changes."""
-        mode = state.get("mode", "fp32") if isinstance(state, dict) else None
-        if mode not in ("split8", "split", "fp32") or (
+        mode = state.get("mode", MasterWeights.mode) if isinstance(state, dict) else None
+        if mode not in (self.mode, SplitMasterWeights.mode, MasterWeights.mode) or (
             "corrections" not in state and "masters" not in state
         ):
             raise ValueError(
