@@ -37,8 +37,8 @@ def call_state_left() -> dict[str, list]:
 
 
 def is_hooked(module: nn.Module) -> bool:
-    """Whether amp put hooks of its own on ``module`` (O1 with the default lists hooks only
-    the root: ``torch.autocast`` decides inside it)."""
+    """Whether amp put hooks of its own on ``module`` (O1 with the default lists hooks every
+    module of its region, each of which opens the region when called with none open)."""
     return _cast_hooks.get_state(module) is not None
 
 

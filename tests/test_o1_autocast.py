@@ -176,13 +176,18 @@ def test_o1_intercepts_torch_calls_only_when_its_lists_name_functions(lists, int
     assert seen == [intercepted]
 
 
-def test_o1_with_the_defaults_hooks_only_the_root():
-    """One pre-hook and one forward hook per forward pass, however deep the model: a
-    12-layer GPT-2 is one module to amp, autocast does the rest."""
+def test_o1_with_the_defaults_enters_autocast_once_per_forward(monkeypatch):
+    """One torch.autocast region per forward pass, however deep the model: every module
+    of a 12-layer GPT-2 carries hooks (a call of any of them opens the region when none
+    is open), which do nothing inside it; autocast does the rest."""
     model = real_models.gpt2(layers=12, width=16)
     amp.initialize(model, level="O1", dtype=torch.bfloat16)
-    hooked = [name for name, m in model.named_modules() if is_hooked(m)]
-    assert hooked == [""]
+    assert all(is_hooked(m) for m in model.modules())
+    entered = []
+    real = torch.autocast.__enter__
+    monkeypatch.setattr(torch.autocast, "__enter__", lambda self: entered.append(1) or real(self))
+    model(text())
+    assert len(entered) == 1 and call_state_left() == {}
     assert all(p.dtype == F32 for p in model.parameters())
 
 

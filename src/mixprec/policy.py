@@ -28,7 +28,8 @@ float32, computations and layer outputs float16). A layer's output is usually th
 next layer's input, so keeping it in the compute dtype avoids a cast back and forth
 between every pair of layers; a model's *final* output is cast to float32 by
 ``mixprec.amp`` (or by giving the last layer ``"float32"`` / ``"p=f32,c=f16,o=f32"``),
-so the loss is always computed in float32.
+so a loss computed from it is computed in float32 (one computed inside the model's
+forward is computed in the forward's dtype: see the levels guide).
 
 The global policy (``set_global_policy`` / ``global_policy``, and ``policy_scope``
 for a block) is the policy ``mixprec.amp.set_policy`` applies when it is given none.

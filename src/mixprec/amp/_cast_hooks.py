@@ -27,14 +27,23 @@ copy; gradients reach the float32 parameters through the cast.
 Casts of parameters are cached for one forward pass of the model
 (:mod:`mixprec.amp._cast_cache`), so each is made once per pass, not once per call.
 
-O1 with the default lists needs none of this: its root is the only module with
-hooks, and they enter and leave ``torch.autocast`` around the forward (on the
-device type of the first tensor argument, else of the model's parameters), so
-the dispatcher casts as autocast does, with autocast's own cache. An owner
-inside that region (a policy the user set) turns autocast off in its own region,
-whose casts then decide. Under Dynamo, which would lose process-wide autocast
-state at a graph break between the two hooks, a torch function mode carries it
-instead and re-enters autocast around each torch call (``_AutocastMode``).
+O1 with the default lists needs none of this: its root's hooks enter and leave
+``torch.autocast`` around the forward (on the device type of the first tensor
+argument, else of the model's parameters), so the dispatcher casts as autocast
+does, with autocast's own cache. Every other module of the root's region is an
+*entry*: its hooks do nothing while an O1 region (or any ``torch.autocast``) is
+open on the thread, and otherwise open the root's region around the call, so a
+submodule called directly (``model.encoder(x)``, a GAN's ``self.discriminator(x)``)
+runs under autocast and hands back float32, as the root does::
+
+    entry pre-hook: O1 region or torch.autocast open -> nothing
+                    else: as the root's pre-hook (enter autocast, open the pass)
+    entry post-hook: undo what its pre-hook did; output <- cast to float32
+
+An owner inside that region (a policy the user set) turns autocast off in its own
+region, whose casts then decide. Under Dynamo, which would lose process-wide
+autocast state at a graph break between the two hooks, a torch function mode
+carries it instead and re-enters autocast around each torch call (``_AutocastMode``).
 
 A hook registered after amp's sees what the layer computes with:
 
@@ -65,12 +74,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from mixprec.amp._cast_cache import _CastCache, _end_pass, _local, _region_stack
-from mixprec.amp._traced_hooks import cast_tree, traced_post_hook, traced_pre_hook
+from mixprec.amp._cast_cache import _CastCache, _end_pass, _local
+from mixprec.amp._traced_hooks import ATTR, cast_tree, traced_post_hook, traced_pre_hook
 from mixprec.policy import Policy, _nothing_to_cast, cast_floating
-
-#: Name of the per-module state in ``module.__dict__``.
-ATTR = "_mixprec_amp"
 
 
 def forget_regions(root: nn.Module) -> None:
@@ -108,7 +114,7 @@ def region_members(owner: nn.Module) -> list[nn.Module]:
         state = get_state(module)
         if state is not None and state.policy is not None:
             continue  # a nested owner runs its own region
-        if state is not None:
+        if state is not None and state.entry is None:  # (O1's entries shadow nothing)
             members.append(module)
         stack.extend(module._modules.values())
     return members
@@ -118,7 +124,9 @@ class FunctionLists:
     """Torch functions to run in low precision / float32, whatever region they are in.
 
     ``keep_outputs`` (level O1): a listed function's outputs stay in the dtype it ran
-    in, as under ``torch.autocast``; otherwise they go back to the region's dtype.
+    in, as under ``torch.autocast``; otherwise they go back to the region's dtype, but
+    for the functions in ``float32_outputs`` (the loss functions of ``high``: a loss
+    computed inside a low-precision forward stays float32).
     """
 
     def __init__(
@@ -128,9 +136,11 @@ class FunctionLists:
         low_dtype: torch.dtype,
         *,
         keep_outputs: bool = False,
+        float32_outputs: frozenset = frozenset(),
     ) -> None:
         self.low, self.high, self.low_dtype = low, high, low_dtype
         self.keep_outputs = keep_outputs
+        self.float32_outputs = float32_outputs
         # One lookup per intercepted call: the mode sees every torch function the
         # forward calls, and all but the listed ones must cost as little as possible.
         self.targets: dict[Any, torch.dtype] = dict.fromkeys(high, torch.float32)
@@ -145,7 +155,8 @@ class _FunctionCastMode(TorchFunctionMode):
     region it is in and its outputs stay in that dtype, so a chain of allow-listed
     ops casts once. Otherwise only a function in a region of the other dtype is
     cast, and its floating outputs go back to the region's dtype, so the code around
-    the call sees what it would have seen without amp. ``out=`` calls run as given.
+    the call sees what it would have seen without amp; a listed loss function's
+    output stays float32 (``FunctionLists.float32_outputs``). ``out=`` calls run as given.
     """
 
     def __init__(self, lists: FunctionLists, cache: _CastCache) -> None:
@@ -160,7 +171,7 @@ class _FunctionCastMode(TorchFunctionMode):
         target = lists.targets.get(func)
         if target is None:  # not listed: straight through, nothing else looked at
             return func(*args, **kwargs)
-        stack = _region_stack()
+        stack = _local.stack
         if not stack or "out" in kwargs:
             return func(*args, **kwargs)
         if lists.keep_outputs:
@@ -174,9 +185,11 @@ class _FunctionCastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if torch.compiler.is_compiling():  # the graph is the cache (see _traced_hooks)
             args, kwargs = cast_tree((args, kwargs), target)
-            return cast_tree(func(*args, **kwargs), region)
+            out = func(*args, **kwargs)
+            return out if func in lists.float32_outputs else cast_tree(out, region)
         args, kwargs = self.cache.cast_args((args, kwargs), target)
-        return cast_floating(func(*args, **kwargs), region)
+        out = func(*args, **kwargs)
+        return out if func in lists.float32_outputs else cast_floating(out, region)
 
 
 class _AutocastMode(TorchFunctionMode):
@@ -242,7 +255,9 @@ class ModuleAmp:
     ``set_policy``, ``to_float`` or ``amp.initialize``); members of an owner's region
     have only ``compute_dtype``. ``user_policy`` tells a policy set by the user from
     one ``amp.initialize`` derived from a level; ``level`` is set on the model root
-    that ``amp.initialize`` configured.
+    that ``amp.initialize`` configured. ``entry`` is set on the modules of O1's
+    region (the root's subtree up to other owners): the root's state, whose region a
+    call of the module opens when no O1 region is open on the thread.
     """
 
     def __init__(self, compute_dtype: torch.dtype) -> None:
@@ -253,6 +268,7 @@ class ModuleAmp:
         # O1's root with the default lists: its forward runs under torch.autocast in
         # this dtype (on the device its inputs are on).
         self.autocast: torch.dtype | None = None
+        self.entry: ModuleAmp | None = None
         self._functions: FunctionLists | None = None
         self._mode: _FunctionCastMode | None = None
         # Modules whose running statistics are updated in place (BatchNorm,
@@ -260,13 +276,17 @@ class ModuleAmp:
         # low-precision input with float32 weights and statistics, while a cast
         # weight next to float32 statistics is rejected.
         self.shadow_params = True
+        self._batchnorm = False  # may take its low-precision input as it comes
         self._cache = _CastCache()
         # Per-call bookkeeping is keyed by the module object: nn.DataParallel
         # replicas share this state (they copy the module's __dict__) but run in
         # their own threads on their own parameters.
         self._active: dict[int, list] = {}  # id(module) -> [depth, saved _flat_weights]
-        self._frames: dict[int, list[tuple[Any, list[nn.Module], Any]]] = {}
-        self._members: tuple[int, list[nn.Module]] | None = None
+        # id(module) -> a frame per call in progress: (owner, mode, members, autocast
+        # region), or None for an entry's call made inside its own call.
+        self._frames: dict[int, list[Any]] = {}
+        # The owner's region: its modules, each with its state.
+        self._members: tuple[int, list[tuple[nn.Module, ModuleAmp]]] | None = None
         # The same under torch.compile (see _traced_hooks): shadowed names, owner frames.
         self._traced_shadows: list = []
         self._traced_frames: list = []
@@ -290,88 +310,99 @@ class ModuleAmp:
         """Store this state on ``module`` and register its two hooks."""
         module.__dict__[ATTR] = self
         self.shadow_params = not isinstance(module, nn.modules.batchnorm._NormBase)
+        self._batchnorm = isinstance(module, nn.modules.batchnorm._BatchNorm)
         # Prepended: later pre-hooks and the forward see the cast inputs and weights.
         module.register_forward_pre_hook(self.pre_hook, with_kwargs=True, prepend=True)
         module.register_forward_hook(self.post_hook, always_call=True)
 
-    # -- parameter shadowing -----------------------------------------------------------
-
-    def _shadow(self, module: nn.Module) -> None:
-        active = self._active.get(id(module))
-        if active is not None:  # nested call: the casts are in place already
-            active[0] += 1
-            return
-        if not self.shadow_params:  # kept as stored: nothing to do, nothing to undo
-            return
-        dtype, attrs = self.compute_dtype, module.__dict__
-        stale = [
-            (name, param)
-            for name, param in module._parameters.items()
-            if param is not None and param.dtype != dtype and param.is_floating_point()
-        ]
-        if not stale:
-            # Nothing to shadow (the weights are stored in the compute dtype, as at
-            # O2/O3): no bookkeeping either, and _unshadow finds none to undo.
-            return
-        active = self._active[id(module)] = [1, None]
-        for name, param in stale:
-            attrs[name] = self._cache.get(name, param, dtype)
-        if "_flat_weights" in attrs and hasattr(module, "_flat_weights_names"):
-            # nn.RNN/LSTM/GRU read a list of their weights, not the attributes.
-            saved = active[1] = attrs["_flat_weights"]
-            names = cast(nn.RNNBase, module)._flat_weights_names
-            attrs["_flat_weights"] = [attrs.get(name, weight) for name, weight in zip(names, saved)]
-
-    def _unshadow(self, module: nn.Module) -> None:
-        active = self._active.get(id(module))
-        if active is None:
-            return  # our pre-hook never ran (an earlier hook raised)
-        active[0] -= 1
-        if active[0]:
-            return
-        del self._active[id(module)]
-        if not self.shadow_params:
-            return
-        attrs = module.__dict__
-        for name in module._parameters:
-            attrs.pop(name, None)
-        if active[1] is not None:
-            attrs["_flat_weights"] = active[1]
-
-    def members(self, owner: nn.Module) -> list[nn.Module]:
-        """The owner's region, recomputed only after a policy changed in it."""
+    def members(self, owner: nn.Module) -> list[tuple[nn.Module, ModuleAmp]]:
+        """The owner's region with each member's state, recomputed only after a policy
+        changed in it."""
         cached = self._members
         if cached is None or cached[0] != id(owner):
-            cached = self._members = (id(owner), region_members(owner))
-            for member in cached[1][1:]:
-                state_of(member).region_owner = self
+            pairs = [(m, cast(ModuleAmp, get_state(m))) for m in region_members(owner)]
+            cached = self._members = (id(owner), pairs)
+            for _, state in pairs[1:]:
+                state.region_owner = self
         return cached[1]
 
     # -- hooks -------------------------------------------------------------------------
+    #
+    # The two hooks run at every call of every hooked module, so the usual path (O2's:
+    # no autocast, no function lists, parameters stored in the compute dtype) calls no
+    # helper of its own: the rarer steps are methods called only when they have work.
 
     def pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if torch.compiler.is_compiling():
-            return traced_pre_hook(
-                self, module, args, kwargs, _region_stack(), get_state, region_members
-            )
-        dtype = self.compute_dtype
-        if self._takes_low_input(module, args, kwargs):
+            return traced_pre_hook(self, module, args, kwargs, _local, region_members, _device_type)
+        owner = self
+        if self.entry is not None and self.policy is None:
+            # Inside O1's region (or an island in it), or inside a torch.autocast region
+            # of someone else's (a checkpointed block recomputed in the backward, which
+            # torch.utils.checkpoint runs under the autocast state of the forward): the
+            # module computes as it is, in that region.
+            if _local.autocast or torch.is_autocast_enabled(_device_type(module, args, kwargs)):
+                if self._frames and (frames := self._frames.get(id(module))) is not None:
+                    frames.append(None)  # a call inside this module's own: pair its post-hook
+                return None
+            owner = self.entry  # the model is entered here: open O1's region as its root does
+        dtype = owner.compute_dtype
+        if (
+            self._batchnorm
+            and owner.policy is not None
+            and owner._takes_low_input(module, args, kwargs)
+        ):
             new_args, new_kwargs = args, kwargs
         else:
             new_args, new_kwargs = cast_floating((args, kwargs), dtype)  # one cast per tensor
-        if self.policy is None:
-            self._shadow(module)
+        region: Any = None
+        if owner.policy is None:  # a member of a region: its own parameters
+            members: Any = ((module, self),)
         else:
-            region = self._enter_autocast(module, new_args, new_kwargs)  # may raise: first
-            stack = _region_stack()
-            if not stack:  # the outermost region opens a forward pass for the cast cache
+            entries = _local.autocast
+            if owner.autocast is not None or (entries and entries[-1][2]):
+                region = owner._enter_autocast(module, new_args, new_kwargs)  # may raise: first
+            if not _local.stack:  # the outermost region opens a forward pass for the cast cache
                 _local.pass_token = object()
-            members = self.members(module)
-            for member in members:
-                state_of(member)._shadow(member)
-            stack.append(dtype)
-            mode = self._enter_functions()
-            self._frames.setdefault(id(module), []).append((mode, members, region))
+            if owner is not self:
+                members = ()  # O1's region: autocast casts, nothing is shadowed
+            elif (cached := self._members) is not None and cached[0] == id(module):
+                members = cached[1]
+            else:
+                members = self.members(module)
+        # Shadow each member's parameters whose dtype is not its compute dtype: the cast
+        # (cached for the pass) goes in the module's __dict__, where attribute lookup
+        # finds it before the Parameter in _parameters.
+        for member, state in members:
+            active = state._active.get(id(member))
+            if active is not None:  # nested call: the casts are in place already
+                active[0] += 1
+                continue
+            if not state.shadow_params:  # kept as stored: nothing to do, nothing to undo
+                continue
+            compute, stale = state.compute_dtype, None
+            for name, param in member._parameters.items():
+                if param is not None and param.dtype != compute and param.is_floating_point():
+                    if stale is None:
+                        stale = []
+                    stale.append((name, param))
+            if stale is None:
+                # Nothing to shadow (the weights are stored in the compute dtype, as at
+                # O2/O3): no bookkeeping either, and the post-hook finds none to undo.
+                continue
+            active = state._active[id(member)] = [1, None]
+            attrs = member.__dict__
+            for name, param in stale:
+                attrs[name] = state._cache.get(name, param, compute)
+            if "_flat_weights" in attrs and hasattr(member, "_flat_weights_names"):
+                # nn.RNN/LSTM/GRU read a list of their weights, not the attributes.
+                saved = active[1] = attrs["_flat_weights"]
+                names = cast(nn.RNNBase, member)._flat_weights_names
+                attrs["_flat_weights"] = [attrs.get(n, w) for n, w in zip(names, saved)]
+        if owner.policy is not None:
+            _local.stack.append(dtype)
+            mode = owner._enter_functions() if owner._mode is not None else None
+            self._frames.setdefault(id(module), []).append((owner, mode, members, region))
         if new_args is args and new_kwargs is kwargs:
             return None
         return new_args, new_kwargs
@@ -454,38 +485,58 @@ class ModuleAmp:
         mode.__enter__()
         return mode
 
-    def _exit_functions(self, mode: _FunctionCastMode | None) -> None:
+    @staticmethod
+    def _exit_functions(mode: _FunctionCastMode | None) -> None:
         if mode is not None:
             _local.functions.pop()
             mode.__exit__(None, None, None)
 
     def post_hook(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if torch.compiler.is_compiling():
-            return traced_post_hook(self, module, output, _region_stack(), get_state)
-        if self.policy is None:
-            self._unshadow(module)
+            return traced_post_hook(self, module, output, _local)
+        owner: ModuleAmp | None = None
+        if self.policy is None and self.entry is None:  # a member of a region
+            members: Any = ((module, self),)
+        else:
+            frames = self._frames.get(id(module)) if self._frames else None
+            if not frames:
+                return None  # the pre-hook did nothing (inside O1's region) or never ran
+            frame = frames.pop()
+            if not frames:
+                del self._frames[id(module)]
+            if frame is None:
+                return None  # a call inside this module's own call
+            owner, mode, members, region = frame
+            if mode is not None:
+                self._exit_functions(mode)
+            if region is not None:
+                self._exit_autocast(region)
+            _local.stack.pop()
+        for member, state in members:  # undo the pre-hook's shadowing
+            active = state._active.get(id(member))
+            if active is None:
+                continue  # nothing shadowed, or our pre-hook never ran (an earlier hook raised)
+            active[0] -= 1
+            if active[0]:
+                continue
+            del state._active[id(member)]
+            attrs = member.__dict__
+            for name in member._parameters:
+                attrs.pop(name, None)
+            if active[1] is not None:
+                attrs["_flat_weights"] = active[1]
+        if owner is None:
             return None
-        frames = self._frames.get(id(module))
-        if not frames:
-            return None  # our pre-hook never ran (an earlier hook raised)
-        mode, members, region = frames.pop()
-        if not frames:
-            del self._frames[id(module)]
-        self._exit_functions(mode)
-        self._exit_autocast(region)
-        stack = _region_stack()
-        stack.pop()
-        for member in members:
-            state_of(member)._unshadow(member)
-        if not stack:  # the forward pass ends: its casts go (autocast's cache does too)
+        if not _local.stack:  # the forward pass ends: its casts go (autocast's cache does too)
             _local.pass_token = None
             _end_pass()
-        policy = self.policy
-        if output is None or (policy.output_dtype == policy.compute_dtype and self.level is None):
+        policy = cast(Policy, owner.policy)
+        if output is None or (policy.output_dtype == policy.compute_dtype and owner.level is None):
             # The output stays as computed: normally the compute dtype, but a nested
             # float32 layer's output stays float32 (a model's output is its
             # last layer's, Dense(2, dtype="float32") gives float32). A level's root
-            # always casts: under O1 its last allow-listed layer hands back low precision.
+            # (and O1's region entered through another module) always casts: under O1
+            # its last allow-listed layer hands back low precision.
             return None
         return cast_floating(output, policy.output_dtype)
 

@@ -30,6 +30,7 @@ from mixprec.amp._level_specs import (
 )
 from mixprec.amp._lists import (
     BLACK_MODULES,
+    LOSS_FUNCTIONS,
     check_list,
     get_black_list,
     get_white_list,
@@ -150,9 +151,10 @@ def initialize(
         plan <- owners and policies for the level    # _level_plan.plan_level
         store each region's parameters in its param dtype (in place, same Parameters)
         fp8: swap eligible nn.Linear layers for Float8Linear (same Parameters)
-        install the hooks (_cast_hooks): O1 with the default lists hooks only
-            the root, which runs the forward under torch.autocast; O1 with lists of
-            the user's own: a function-cast mode on the root if they name functions
+        install the hooks (_cast_hooks): O1 with the default lists runs each call
+            that enters the model (through the root or any submodule) under
+            torch.autocast, once; O1 with lists of the user's own: a function-cast
+            mode on the root if they name functions
         optimizer -> LossScaleOptimizer(optimizer, loss_scale, master_weights)
 
     >>> import torch
@@ -264,7 +266,11 @@ def initialize(
     root.autocast = dtype if autocast else None
     if white_functions or black_functions:
         root.functions = FunctionLists(
-            white_functions, black_functions, dtype, keep_outputs=spec.forward == "autocast"
+            white_functions,
+            black_functions,
+            dtype,
+            keep_outputs=spec.forward == "autocast",
+            float32_outputs=black_functions & split_list(LOSS_FUNCTIONS)[1],
         )
     if optimizer is None:
         return model, None

@@ -89,6 +89,32 @@ BLACK_MODULES: tuple[type[nn.Module], ...] = tuple(
 )
 
 
+#: The loss functions of the deny list. Listed at any level, they run in float32 and
+#: their output stays float32 (as under ``torch.autocast``): a loss is the end of the
+#: computation, never the input of a low-precision layer.
+LOSS_FUNCTIONS: tuple[Any, ...] = (
+    F.cross_entropy,
+    F.nll_loss,
+    F.mse_loss,
+    F.l1_loss,
+    F.smooth_l1_loss,
+    F.huber_loss,
+    F.kl_div,
+    F.binary_cross_entropy,
+    F.binary_cross_entropy_with_logits,
+    F.poisson_nll_loss,
+    F.gaussian_nll_loss,
+    F.cosine_embedding_loss,
+    F.hinge_embedding_loss,
+    F.margin_ranking_loss,
+    F.soft_margin_loss,
+    F.multi_margin_loss,
+    F.multilabel_margin_loss,
+    F.multilabel_soft_margin_loss,
+    F.triplet_margin_loss,
+)
+
+
 # As torch.autocast's float32 list on CUDA, for the functions a model's forward calls.
 _BLACK_FUNCTIONS: tuple[Any, ...] = (
     F.softmax,
@@ -123,25 +149,7 @@ _BLACK_FUNCTIONS: tuple[Any, ...] = (
     torch.sinh,
     torch.tan,
     torch.erfinv,
-    F.cross_entropy,
-    F.nll_loss,
-    F.mse_loss,
-    F.l1_loss,
-    F.smooth_l1_loss,
-    F.huber_loss,
-    F.kl_div,
-    F.binary_cross_entropy,
-    F.binary_cross_entropy_with_logits,
-    F.poisson_nll_loss,
-    F.gaussian_nll_loss,
-    F.cosine_embedding_loss,
-    F.hinge_embedding_loss,
-    F.margin_ranking_loss,
-    F.soft_margin_loss,
-    F.multi_margin_loss,
-    F.multilabel_margin_loss,
-    F.multilabel_soft_margin_loss,
-    F.triplet_margin_loss,
+    *LOSS_FUNCTIONS,
 )
 
 
@@ -162,7 +170,9 @@ def get_white_list() -> list[Any]:
 def get_black_list() -> list[Any]:
     """A copy of the default deny list: normalisation module types (float32 at O2),
     then the functions ``torch.autocast`` runs float32 on CUDA (O1 with lists of
-    the user's own; see :func:`get_white_list`).
+    the user's own; see :func:`get_white_list`), the loss functions last. Listed at
+    O2/O3, a function runs in float32 and hands back the region's dtype, but a loss
+    function's output stays float32 (a loss computed inside the forward).
 
     >>> import torch
     >>> torch.nn.BatchNorm2d in get_black_list(), torch.nn.functional.softmax in get_black_list()

@@ -91,8 +91,10 @@ def apply_policies(
 
     All owners are marked first, so no region casts a parameter that a nested
     owner stores in another dtype (a float32 BatchNorm inside a bfloat16 model
-    never makes a round trip through bfloat16). The owners in ``bare`` get no hooks
-    on the members of their regions (O1's root: ``torch.autocast`` decides there).
+    never makes a round trip through bfloat16). The regions of the owners in ``bare``
+    (O1's root: ``torch.autocast`` decides there) cast nothing of their own: each of
+    their modules is an *entry* instead, whose call opens the owner's region when
+    none is open (a submodule called directly runs under autocast as through the root).
     """
     bare_ids = {id(module) for module in bare}
     for module, _, _ in plan:
@@ -107,18 +109,21 @@ def apply_policies(
             policy,
             user,
         )
+        state.entry = None
     owners = {id(module) for module in _all_owners(plan)}
     for owner, policy, _ in plan:
+        owner_state = get_state(owner) if id(owner) in bare_ids else None
         for module in walk_region(owner, owners - {id(owner)}):
             _cast_storage(module, policy.param_dtype)
-            if module is owner or id(owner) in bare_ids:
+            if module is owner:
                 continue
             state = get_state(module)
-            if state is None and _has_floating_params(module):
+            if state is None and (owner_state is not None or _has_floating_params(module)):
                 state = ModuleAmp(policy.compute_dtype)
                 state.attach(module)
             if state is not None:
                 state.compute_dtype = policy.compute_dtype
+                state.entry = owner_state
 
 
 def _all_owners(plan: Sequence[tuple[nn.Module, Policy, bool]]) -> list[nn.Module]:

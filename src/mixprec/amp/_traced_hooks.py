@@ -34,6 +34,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+#: Name of the per-module amp state in ``module.__dict__`` (``ModuleAmp``).
+ATTR = "_mixprec_amp"
+
 
 def cast_tree(tree: Any, dtype: torch.dtype, seen: list | None = None) -> Any:
     """Floating tensors in ``tree`` cast to ``dtype``; containers rebuilt (see module)."""
@@ -105,50 +108,66 @@ def unshadow(module: nn.Module, frames: list) -> None:
 
 
 def traced_pre_hook(
-    state: Any, module: nn.Module, args: tuple, kwargs: dict, stack: list, get_state, members
+    state: Any, module: nn.Module, args: tuple, kwargs: dict, local: Any, members, device_type
 ):
     """``ModuleAmp.pre_hook`` under ``torch.compile`` (``state`` is the module's ``ModuleAmp``,
-    ``stack`` the thread's region stack, ``members`` what ``region_members`` computes).
+    ``local`` the thread's call state, ``members`` what ``region_members`` computes,
+    ``device_type`` the device type a module computes on).
 
     The region is walked afresh, not read from the owner's cached list: a check of
     that cache would be a guard that fails once the first call has filled it.
     """
-    if state._takes_low_input(module, args, kwargs):  # as the eager hook
+    owner = state
+    if state.entry is not None and state.policy is None:  # a module of O1's region
+        # Inside the region already, or in a torch.autocast region (as the eager hook).
+        if local.autocast or torch.is_autocast_enabled(device_type(module, args, kwargs)):
+            if state._traced_frames:
+                state._traced_frames.append(None)
+            return None
+        owner = state.entry
+    if (
+        state._batchnorm
+        and owner.policy is not None
+        and owner._takes_low_input(module, args, kwargs)
+    ):
         new_args, new_kwargs = args, kwargs
     else:
-        new_args, new_kwargs = cast_tree((args, kwargs), state.compute_dtype)
-    if state.policy is None:
+        new_args, new_kwargs = cast_tree((args, kwargs), owner.compute_dtype)
+    if owner.policy is None:
         if state.shadow_params:
             shadow(module, state.compute_dtype, state._traced_shadows)
         return new_args, new_kwargs
-    members = members(module)
-    for member in members:
-        member_state = get_state(member)
+    region_members = members(module) if owner is state else []
+    for member in region_members:
+        member_state = member.__dict__[ATTR]
         if member_state.shadow_params:
             shadow(member, member_state.compute_dtype, member_state._traced_shadows)
-    region = state._enter_autocast(module, new_args, new_kwargs)
-    stack.append(state.compute_dtype)
-    state._traced_frames.append((state._enter_functions(), members, region))
+    region = owner._enter_autocast(module, new_args, new_kwargs)
+    local.stack.append(owner.compute_dtype)
+    state._traced_frames.append((owner, owner._enter_functions(), region_members, region))
     return new_args, new_kwargs
 
 
-def traced_post_hook(state: Any, module: nn.Module, output: Any, stack: list, get_state) -> Any:
+def traced_post_hook(state: Any, module: nn.Module, output: Any, local: Any) -> Any:
     """``ModuleAmp.post_hook`` under ``torch.compile``: undo :func:`traced_pre_hook`, cast the output."""
-    if state.policy is None:
+    if state.policy is None and state.entry is None:
         if state.shadow_params:
             unshadow(module, state._traced_shadows)
         return None
     if not state._traced_frames:
-        return None  # the pre-hook never ran (an earlier hook raised)
-    mode, members, region = state._traced_frames.pop()
-    state._exit_functions(mode)
-    state._exit_autocast(region)
-    stack.pop()
+        return None  # the pre-hook did nothing (inside O1's region) or never ran
+    frame = state._traced_frames.pop()
+    if frame is None:
+        return None  # a call inside this module's own call
+    owner, mode, members, region = frame
+    owner._exit_functions(mode)
+    owner._exit_autocast(region)
+    local.stack.pop()
     for member in members:
-        member_state = get_state(member)
+        member_state = member.__dict__[ATTR]
         if member_state.shadow_params:
             unshadow(member, member_state._traced_shadows)
-    policy = state.policy
-    if output is None or (policy.output_dtype == policy.compute_dtype and state.level is None):
+    policy = owner.policy
+    if output is None or (policy.output_dtype == policy.compute_dtype and owner.level is None):
         return None  # the output stays as computed (as ModuleAmp.post_hook)
     return cast_tree(output, policy.output_dtype)

@@ -23,7 +23,7 @@ What it does, at the points where Lightning calls a precision plugin::
 The level casts the LightningModule's floating outputs to float32 when they leave its
 ``forward``, as :func:`mixprec.amp.initialize` does for any model: call the network as
 ``self(x)`` in ``training_step`` and the loss is computed in float32 (a submodule
-called directly returns its low-precision output).
+called directly returns float32 at O1, its low-precision output at O2/O3).
 Manual optimization works the same way: ``self.manual_backward(loss)`` scales,
 ``self.clip_gradients(opt, ...)`` unscales first, ``opt.step()`` skips on overflow.
 ``accumulate_grad_batches`` scales every micro-batch by the same scale (it only
