@@ -568,11 +568,18 @@ How the numbers are taken:
 
 def render_markdown(doc: dict[str, Any]) -> str:
     """The whole report: command, machine, targets, one section per workload and device."""
+    env = doc["environment"]
+    commit = env.get("git_commit") or "unknown"
     lines = [
         "# Benchmarks",
         "",
-        f"Produced by `{doc['command']}` ({doc['preset']} suite, {doc['duration_s']:.0f} s, "
-        f"{doc['started']}). The same run wrote `results.json` with every sample.",
+        f"Measured at commit {commit} (mixprec {env['mixprec']}) on {doc['started']}, on "
+        f"{env['cpu_model']} ({env['logical_cpus']} logical CPUs; CPU features: "
+        f"{', '.join(env['cpu_flags']) or 'none of note'}). Produced by `{doc['command']}` "
+        f"({doc['preset']} suite, {doc['duration_s']:.0f} s); the same run wrote "
+        "`results.json` with every sample. Everything above the sections headed "
+        '"Earlier measurements" is this run\'s; each section below them says when, at which '
+        "commit and on which machine it was measured.",
         "",
         "## Machine",
         "",

@@ -6,13 +6,18 @@ the other layers cannot take. ``mixprec.diagnose`` finds this in float32 on a fe
 batches, ``report.suggest()`` turns it into settings, and training in float16 with them
 skips no steps.
 
-    python examples/diagnostics_float16.py --steps 100 --out runs/diagnose
+    python examples/diagnostics_float16.py --steps 100
+
+The report goes to a fresh folder each run (runs/diagnostics_float16, then -2, -3, ...),
+never into one that holds another report; ``--out DIR`` names it (refused if it holds a
+report, unless ``--overwrite``).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -49,11 +54,31 @@ def train(batches, steps: int, float32_modules=(), **kwargs) -> int:
     return int(opt.skipped_steps)
 
 
+def fresh_folder(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``... : the first that does not exist yet."""
+    n = 1
+    while (found := base if n == 1 else base.with_name(f"{base.name}-{n}")).exists():
+        n += 1
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", default="runs/diagnose", help="where the report is saved")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the report is saved (default: a fresh folder under runs/)",
+    )
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the report in --out")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = fresh_folder(Path("runs/diagnostics_float16"))
+    elif (args.out / "precision_report.json").exists() and not args.overwrite:
+        parser.error(f"--out {args.out} already holds a report; choose another --out, or "
+                     "pass --overwrite to replace it")  # fmt: skip
 
     loader, _ = train_test_loaders(batch_size=32)
     raw = [(x * 60000, y) for x, y in loader]  # raw sensor counts, not normalised

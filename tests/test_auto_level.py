@@ -130,8 +130,9 @@ def test_the_command_says_what_auto_picked(bf16_units, tmp_path, capsys):
 
 
 def test_the_main_job_notes_emulated_bfloat16(bf16_units, tmp_path, capsys):
+    # --dtype without --level trains at O2 (the default, auto, would pick float32 there).
     argv = ["train", "--model", "mlp", "--epochs", "1", "--quiet", "--device", "cpu"]
-    argv += ["--out", str(tmp_path / "r")]
+    argv += ["--dtype", "bfloat16", "--out", str(tmp_path / "r")]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith("mixprec train:") and "level O2, bfloat16" in line for line in out)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from matplotlib.image import imread
 
+from mixprec.amp import LEVEL_SPECS, choose_auto
 from mixprec.cli import main
 from mixprec.train import read_plot_data
 
@@ -31,18 +34,37 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_default_train_reaches_95_percent(tmp_path):
-    """`mixprec train` with defaults (only the output folder moved): LeNet-5, O2, dynamic scale."""
+    """`mixprec train` with defaults (only the output folder moved): LeNet-5 at the level and
+    dtype auto picks by the hardware, the level's own loss scale, one CPU thread; the header
+    says what was chosen and why."""
     out = tmp_path / "run"
     proc = run_cli("train", "--out", str(out), "--quiet")
     assert proc.returncode == 0, proc.stderr
-    assert "level O2" in proc.stdout and "test accuracy:" in proc.stdout
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    level, dtype, why = choose_auto(device)
+    name = "float32" if level == "O0" else str(dtype).removeprefix("torch.")
+    scale = LEVEL_SPECS[level].default_loss_scale(dtype).kind if level != "O0" else "none"
+    lines = proc.stdout.splitlines()
+    assert lines[0] == (f"mixprec train: lenet5 on digits, level {level}, {name}, loss scale "
+                        f"{scale}, {device}" + (", 1 thread" if device == "cpu" else ""))  # fmt: skip
+    assert lines[1] == f"auto: level {level}, {name}: {why}"
+    if device == "cpu":
+        assert lines[2].startswith("threads 1: fastest for these small models")
+        # The CLI guide shows these lines for this kind of CPU ("..." cuts a long one).
+        guide = (Path(__file__).resolve().parents[1] / "docs/guides/cli.md").read_text()
+        shown = [block.strip().splitlines() for block in guide.split("```text\n")[1:]]
+        shown = [b[: b.index("```")] for b in shown if b[0] == lines[0]]
+        header = lines[: next(i for i, x in enumerate(lines) if x.startswith("test accuracy"))]
+        assert len(shown) == 1 and len(shown[0]) == len(header), (shown, header)
+        for want, got in zip(shown[0], header):
+            assert got == want or (want.endswith("...") and got.startswith(want[:-3])), (want, got)
+    assert "test accuracy:" in proc.stdout
     metrics = json.loads((out / "metrics.json").read_text())
-    print(
-        f"default mixprec train: test accuracy {metrics['test_accuracy']:.4f} "
-        f"in {metrics['train_seconds']:.1f} s"
-    )
-    assert metrics["test_accuracy"] >= 0.95
-    assert metrics["config"]["level"] == "O2" and metrics["config"]["model"] == "lenet5"
+    assert metrics["test_accuracy"] >= 0.95, metrics["test_accuracy"]
+    config = metrics["config"]
+    assert (config["level"], config["amp_level"], config["dtype"]) == ("auto", level, name)
+    assert config["loss_scale"] == scale and config["model"] == "lenet5"
+    assert config["threads"] == (1 if device == "cpu" else None)
     assert metrics["steps"] == 15 * 41  # 1293 training digits (145 more validate) / 32
 
 
@@ -66,10 +88,15 @@ def test_outputs_and_plots_hold_the_data(tmp_path):
     assert scale_data["scales"] == hist["loss_scale"] == [65536.0] * metrics["steps"]
     assert scale_data["skipped_steps"] == [i + 1 for i, s in enumerate(hist["skipped"]) if s]
     # Gradient underflow, sampled by the precision monitor, beside the scale.
+    # Sampled once an epoch (epochs of 41 steps are shorter than the monitor's 100), so
+    # that every epoch line has its number.
     samples = metrics["precision"]["samples"]
-    assert [s["step"] for s in samples] == [1] and 0.0 <= samples[0]["underflow_fraction"] <= 1.0
-    assert scale_data["underflow_steps"] == [1]
-    assert scale_data["underflow_fractions"] == [samples[0]["underflow_fraction"]]
+    assert [s["step"] for s in samples] == [1, 42]
+    assert all(0.0 <= s["underflow_fraction"] <= 1.0 for s in samples)
+    assert scale_data["underflow_steps"] == [1, 42]
+    assert scale_data["underflow_fractions"] == [s["underflow_fraction"] for s in samples]
+    assert scale_data["note"] == "static: 65536 throughout"
+    assert all(not math.isnan(v) for v in hist["epochs"]["grad_underflow"])
 
 
 def test_loss_scale_plot_marks_skipped_steps(tmp_path):
@@ -231,20 +258,37 @@ def test_compare_prints_one_table(tmp_path, capsys):
             "--levels",
             "O0,O2",
             "--epochs",
-            "1",
+            "2",
             "--model",
             "mlp",
             "--out",
             str(out),
-            *FAST,
+            "--threads",
+            "1",
+            "--device",
+            "cpu",
         ]
     )
     assert rc == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "config" in text and "peak MB" in text and "O2 bfloat16" in text
     rows = json.loads((out / "compare.json").read_text())
     assert [r["config"] for r in rows] == ["O0", "O2 bfloat16"]
     assert all(r["accuracy"] > 0.5 and r["step_ms"] > 0 and r["peak_mb"] > 10 for r in rows)
+    # The spread: the epochs' median step times, the first epoch (warm-up) left out.
+    for r in rows:
+        assert len(r["step_ms_epochs"]) == 1 and r["step_ms_range"] == [r["step_ms_epochs"][0]] * 2
+    assert text.splitlines()[-2].startswith("step time against O0: O2 bfloat16 ")
+    # A line per epoch per level as it trains, on stderr, and the emulation note first.
+    epochs = [line for line in captured.err.splitlines() if ": epoch " in line]
+    assert [line.split(",")[0] for line in epochs] == [
+        "  [1/2] O0: epoch 1/2", "  [1/2] O0: epoch 2/2",
+        "  [2/2] O2: epoch 1/2", "  [2/2] O2: epoch 2/2",
+    ]  # fmt: skip
+    emulated = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    notes = [line for line in captured.err.splitlines() if line.startswith("note:")]
+    assert len(notes) == emulated and all("O2 train in it" in n for n in notes)
     assert [r["config"] for r in read_plot_data(out / "compare.png")["rows"]] == [
         "O0",
         "O2 bfloat16",
@@ -271,3 +315,50 @@ def test_compare_refuses_an_unknown_level_option_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'fast'" in err and "O2+compile" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_a_float32_run_records_float32_and_resumes(tmp_path, capsys):
+    """An O0 run (what auto picks on a CPU without bfloat16 units) is float32 in its
+    header and config.json, with no loss scale, and resumes."""
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--level", "O0", "--model", "mlp", "--epochs", "1"]
+    assert main([*argv, "--batch-size", "256", *FAST]) == 0
+    assert "level O0, float32, loss scale none, cpu, 1 thread" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert (config["dtype"], config["loss_scale"], config["threads"]) == ("float32", "none", 1)
+    assert main(["train", "--resume", str(out), "--epochs", "2", "--quiet"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["epochs"] == 2
+
+
+def test_bad_input_is_named_before_a_folder_that_holds_a_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--model", "mlp", "--epochs", "1", *FAST]
+    assert main([*argv, "--batch-size", "256"]) == 0
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    assert main([*argv, "--data", str(tmp_path / "missing.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.npz" in err and "already holds a run" not in err
+    if not torch.cuda.is_available():
+        assert main([*argv, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err
+        assert "CUDA is not available" in err and "already holds a run" not in err
+    assert main(argv) == 2  # the inputs are good: now the folder is the problem
+    assert "already holds a run" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "diagnose"])
+def test_a_mistyped_data_path_fails_before_torch_loads(tmp_path, command):
+    """The checks that need no torch come first: a wrong path is one line at once."""
+    missing = tmp_path / "digits.npz"
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "mixprec", command, "--data", str(missing)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if "import time:" not in line]
+    assert proc.returncode == 2 and lines == [
+        f"mixprec: error: --data {missing}: no such file; check the path"
+    ]
+    loaded = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert not {m for m in loaded if m.split(".")[0] in ("torch", "numpy", "matplotlib")}

@@ -175,17 +175,38 @@ def test_metrics_csv_has_a_stable_header_and_no_blank_cells(tmp_path):
     ]
 
 
-def test_the_loss_scale_plot_of_a_bfloat16_run_says_no_scaling_is_needed(tmp_path):
+def test_the_loss_scale_plot_says_what_the_run_did(tmp_path):
+    """The title follows the scales the run used: a bfloat16 run (not scaled by default)
+    shows its scale of 1 as "not scaled", one that was scaled says so."""
     path = tmp_path / "loss_scale.png"
-    plot_loss_scale([32768.0] * 300, [False] * 300, path, underflow=([1, 101, 201],
-                    [0.0, 0.002, 0.001]), dtype="bfloat16")  # fmt: skip
+    plot_loss_scale([1.0] * 300, [False] * 299 + [True], path, underflow=([1, 101, 201],
+                    [0.0, 0.002, 0.001]), dtype="bfloat16", loss_scale="none")  # fmt: skip
     data = read_plot_data(path)
-    assert data["note"] == "bfloat16: no scaling needed"
+    assert data["note"] == "not scaled: bfloat16 has float32's exponent range"
     assert data["underflow_fractions"] == [0.0, 0.002, 0.001]
-    assert data["scales"] == [32768.0] * 300 and data["skipped_steps"] == []
-    float16 = tmp_path / "float16.png"
-    plot_loss_scale([32768.0] * 3, [False] * 3, float16, dtype="float16")
-    assert "note" not in read_plot_data(float16)
+    assert data["scales"] == [1.0] * 300 and data["skipped_steps"] == [300]
+    scaled = tmp_path / "scaled.png"
+    plot_loss_scale([32768.0] * 3, [False] * 3, scaled, dtype="bfloat16", loss_scale="dynamic")
+    assert read_plot_data(scaled)["note"] == "dynamic: 32768 throughout"
+    plot_loss_scale([65536.0, 32768.0], [True, False], scaled, dtype="float16",
+                    loss_scale="dynamic")  # fmt: skip
+    assert read_plot_data(scaled)["note"] == "dynamic: 32768 to 65536"
+    plot_loss_scale([1.0] * 2, [False] * 2, scaled, dtype="float32", loss_scale="none")
+    assert read_plot_data(scaled)["note"] == "not scaled: float32 (level O0)"
+
+
+def test_the_main_job_scales_bfloat16_as_the_library_does(tmp_path, capsys):
+    """One loss-scale story: bfloat16 unscaled by default, as amp.initialize and Model."""
+    out = tmp_path / "run"
+    argv = ["train", "--out", str(out), "--epochs", "1", "--quiet", "--level", "O2", *FAST]
+    assert main([*argv, "--dtype", "bfloat16"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["loss_scale"] == "none"
+    assert "loss scale none: level O2's own for bfloat16" in capsys.readouterr().out
+    data = read_plot_data(out / "loss_scale.png")
+    assert set(data["scales"]) == {1.0} and data["note"].startswith("not scaled: bfloat16")
+    assert main([*argv, "--dtype", "float16", "--overwrite"]) == 0
+    assert json.loads((out / "config.json").read_text())["loss_scale"] == "dynamic"
 
 
 # -- a validation split apart from the test set ------------------------------------------

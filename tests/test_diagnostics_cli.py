@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from matplotlib.image import imread
 
 from mixprec.cli import main
@@ -43,8 +44,37 @@ def test_diagnose_reads_a_data_file_and_another_dtype(tmp_path, capsys):
     assert f"on {path}" in printed and "keep in float32: layers.1" in printed
     data = json.loads((out / "precision_report.json").read_text())
     assert "layers.1" in data["at_risk"]
-    assert main([*args, "--dtype", "bfloat16"]) == 0
+    assert main([*args, "--dtype", "bfloat16", "--overwrite"]) == 0
     assert "at risk under any single scale: none" in capsys.readouterr().out
+    assert PrecisionReport.load(out).dtype == torch.bfloat16  # the old report replaced
+
+
+def test_a_folder_holding_a_report_is_refused_unless_overwrite(tmp_path, capsys):
+    out = tmp_path / "diag"
+    assert main(["diagnose", "--out", str(out), *FAST]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    # Refused, as train refuses a run folder; and a bad option is named before the folder.
+    assert main(["diagnose", "--out", str(out), *FAST, "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a report (precision_report.txt" in err
+    assert "--overwrite" in err
+    assert main(["diagnose", "--out", str(out), *FAST, "--data", "missing.npz"]) == 2
+    assert "missing.npz" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_the_report_says_why_a_large_under_column_is_not_at_risk(tmp_path, capsys):
+    assert main(["diagnose", "--out", str(tmp_path / "d"), *FAST, "--model", "lenet5"]) == 0
+    report = PrecisionReport.load(tmp_path / "d")
+    lines = report.summary_lines()
+    # A tensor over the tolerance in the "under" column but not at risk is named, with why.
+    over = [(n, t) for n, layer in report.layers.items() for t, c in layer.tensors.items()
+            if "grad" not in t and c.underflow_fraction(report.dtype) > report.tolerance
+            and (n, t) not in report.risky_tensors]  # fmt: skip
+    explained = [line for line in lines if line.startswith("not at risk, though over")]
+    assert over and "subnormal in float16, not zero" in explained[0]  # LeNet-5's logits
+    assert all(f"{name} {tensor} " in explained[0] for name, tensor in over)
 
 
 @pytest.mark.parametrize(

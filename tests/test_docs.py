@@ -149,6 +149,21 @@ def test_code_blocks_run(page: Path, tmp_path, monkeypatch):
     assert time.perf_counter() - started < 120, f"{relative(page)}: blocks must be tiny"
 
 
+def test_each_readme_block_runs_alone(tmp_path, monkeypatch):
+    """A newcomer copies one block of the README: each runs in a namespace of its own."""
+    monkeypatch.chdir(tmp_path)
+    page = ROOT / "README.md"
+    for block in blocks(page):
+        if block.language not in RUN:
+            continue
+        where = f"{relative(page)}:{block.line}"
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(block.text, where, "exec"), {"__name__": "readme_block"})
+        except Exception as err:
+            raise AssertionError(f"the block at {where} fails alone: {err!r}") from err
+
+
 def test_every_file_the_pages_name_exists():
     """Paths in prose are not links, so the strict docs build does not check them."""
     named = {(page.name, path) for page in PAGES

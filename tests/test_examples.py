@@ -24,7 +24,7 @@ IN_PROCESS = {
     "gpt2_char.py": ["--length", "16", "--batch-size", "4"],
     "resnet_digits.py": ["--eval-batches", "1"],
     "accelerate_digits.py": ["--out", "runs/accelerate"],
-    "diagnostics_float16.py": ["--out", "runs/diagnose"],
+    "diagnostics_float16.py": [],  # its default: a fresh folder under runs/
     "lightning_resnet.py": ["--out", "runs/lightning"],
     "hf_trainer_gpt2.py": ["--out", "runs/hf"],
 }

@@ -1,24 +1,27 @@
 """The ``mixprec`` command: train a model in mixed precision and see whether it is healthy.
 
-``mixprec train`` with no arguments trains LeNet-5 on the embedded 8x8 digits at amp
-level O2 (float16 on CUDA, bfloat16 on a CPU) with dynamic loss scaling, shows
-progress, and ends with the test accuracy. The data is split three ways: the test set,
-evaluated once, at the end; a validation part carved from the rest (``val_accuracy``,
-each epoch); and the training part. Into ``--out`` it writes ``config.json``,
+``mixprec train`` with no arguments trains LeNet-5 on the embedded 8x8 digits at the
+level and dtype the hardware runs fast (``--level auto``: O1 bfloat16 on a CPU with
+bfloat16 units, O0 float32 on one without, O2 on CUDA), with the level's own loss scale
+(none for bfloat16, as in the library) and, on a CPU, one thread; its header says what
+it chose and why. It shows progress and ends with the test accuracy. The data is split
+three ways: the test set, evaluated once, at the end; a validation part carved from the
+rest (``val_accuracy``, each epoch); and the training part. Into ``--out`` it writes ``config.json``,
 ``metrics.json``, ``metrics.csv`` (one row per epoch, a stable header, ``nan`` for a
 value an epoch did not measure), plots (``loss.png``, ``accuracy.png``,
-``loss_scale.png`` with skipped steps marked, or for bfloat16 the gradient underflow
-under "bfloat16: no scaling needed") and per-epoch checkpoints, from which ``--resume``
-continues exactly.
+``loss_scale.png``: the scale the run used, skipped steps marked, the sampled gradient
+underflow beside it, titled with what the run did) and per-epoch checkpoints, from
+which ``--resume`` continues exactly.
 
 ``mixprec compare`` trains the same model at several levels, each in a fresh process
 (so peak memory is that configuration's own, and a level stuck past
-``--level-timeout`` is stopped), shows a progress line as each level starts and ends,
-and prints one table.
+``--level-timeout`` is stopped), shows a progress line as each level starts and ends
+and one per epoch as it trains, and prints one table with the step times' spread.
 
 ``mixprec diagnose`` runs a few batches through the same model in float32 and reports
 (:mod:`mixprec.cli._diagnose`) which layers a low-precision dtype would underflow or
-overflow, and the loss scale to use.
+overflow, and the loss scale to use; like ``train`` it refuses an ``--out`` that already
+holds a report unless ``--overwrite``.
 
 Exit codes: 0 success; 2 bad input (a missing data file, an unknown level, an output
 folder that holds a run, is held by another mixprec process or cannot be written, an
@@ -49,7 +52,7 @@ import importlib
 import sys
 from typing import Any
 
-from mixprec.cli._args import UsageError, build_parser
+from mixprec.cli._args import UsageError, build_parser, precheck
 from mixprec.cli._torchrun import failing, finish
 
 __all__ = ["main", "build_parser", "run_train", "run_compare", "run_diagnose"]
@@ -83,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         args = parser.parse_args(argv)
+        precheck(args)  # before torch loads: a mistyped path fails at once
     except UsageError as err:
         failing()
         return finish(f"mixprec: error: {err}", 2)

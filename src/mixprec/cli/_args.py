@@ -10,11 +10,11 @@ says which options were given (a resumed run refuses given options that contradi
 This module does not import torch: ``mixprec --help`` and ``mixprec --version`` print
 without it (the choices come from :mod:`mixprec.train._names`).
 
->>> args = build_parser().parse_args(["train", "--epochs", "3", "--loss-scale", "1024"])
+>>> args = build_parser().parse_args(["train", "--epochs", "3"])
 >>> sorted(fill_defaults(args))
-['epochs', 'loss_scale']
+['epochs']
 >>> args.command, args.level, args.epochs, args.loss_scale
-('train', 'O2', 3, '1024')
+('train', 'auto', 3, None)
 >>> build_parser().parse_args(["train", "--epochs", "0"])
 Traceback (most recent call last):
 ...
@@ -27,34 +27,53 @@ import argparse
 import importlib.metadata
 import math
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
+from mixprec.typing import MasterWeightsMode
 
 #: The largest ``--lr``: AdamW's first step is up to 10 x the learning rate (its bias
 #: correction), and that must stay a float32 number (3.4e38) for the update to be made;
 #: a larger one is refused instead of failing inside the optimizer.
 LR_MAX = 3.4e37
 
+#: CPU threads for PyTorch when ``--threads`` is left out. The built-in models are small
+#: (LeNet-5 on 8x8 digits: 44k parameters), too small to share between threads: on a
+#: 2-core CPU one thread trains them about as fast as two on a quiet machine, and many
+#: times faster as soon as another process uses a core (the threads then wait for each
+#: other at every operation). BENCHMARKS.md and docs/guides/cli.md give the figures.
+DEFAULT_CPU_THREADS = 1
+
 #: ``mixprec compare --level-timeout``: seconds a level may run before it counts as stuck.
 COMPARE_LEVEL_TIMEOUT = 3600.0
 
 #: ``--master-weights`` choices: the library's modes (``master_weights=``) as the command
-#: line spells them, ``none`` for ``False``. Written out here, not imported: this module
-#: loads without torch (a test checks they match
+#: line spells them, ``none`` for ``False``. Read from :data:`mixprec.typing.MasterWeightsMode`,
+#: which loads without torch, as this module does (a test checks they match
 #: :data:`mixprec.optim.masters.MASTER_WEIGHT_MODES`).
-MASTER_WEIGHTS = ("fp32", "split", "split8", "kahan", "stochastic", "none")
+MASTER_WEIGHTS = (*typing.get_args(MasterWeightsMode), "none")
 
 #: ``--optimizer`` choices: torch's AdamW, or mixprec's 8-bit-state AdamW
 #: (:class:`mixprec.optim.AdamW8bit`; 2 bytes of state per parameter, not 8).
 OPTIMIZERS = ("adamw", "adamw8bit")
 
+#: ``--level`` left out when one of :data:`HAND_PICKED` is given (:func:`fill_defaults`).
+HAND_PICKED_LEVEL = "O2"
+#: Options that choose the precision by hand (``--dtype``, ``--loss-scale``,
+#: ``--master-weights``): given without ``--level``, the level is :data:`HAND_PICKED_LEVEL`.
+HAND_PICKED = frozenset({"dtype", "loss_scale", "master_weights"})
+
 #: Defaults of the training options, filled in after parsing (:func:`fill_defaults`), so
-#: that a resumed run can tell a given option from a default.
+#: that a resumed run can tell a given option from a default. ``--level`` is ``auto``: the
+#: level and dtype the hardware runs fast (mixed precision where it has the units for
+#: it, float32 where low precision would be emulated), or :data:`HAND_PICKED_LEVEL`.
+#: ``--loss-scale`` and ``--threads`` have no entry: left out, they are the level's own
+#: loss scale (dynamic for float16, none for bfloat16, as in the library) and, on a CPU,
+#: :data:`DEFAULT_CPU_THREADS`.
 DEFAULTS = {
-    "level": "O2",
-    "loss_scale": "dynamic",
+    "level": "auto",
     "model": "lenet5",
     "epochs": 15,
     "batch_size": 32,
@@ -65,12 +84,23 @@ DEFAULTS = {
 
 
 def fill_defaults(args: argparse.Namespace) -> set[str]:
-    """Put :data:`DEFAULTS` into the options left out; return the names of those given."""
+    """Put :data:`DEFAULTS` into the options left out; return the names of those given.
+
+    ``--level`` left out is ``auto``, unless :data:`HAND_PICKED` options are given: a
+    run whose precision is chosen by hand is O2, the level with float32 master weights
+    (``auto`` picks its own dtype and loss scale by the hardware).
+
+    >>> args = build_parser().parse_args(["train", "--dtype", "float16"])
+    >>> sorted(fill_defaults(args)), args.level
+    (['dtype'], 'O2')
+    """
     given = {k for k, v in vars(args).items() if v is not None and v is not False}
     given.discard("command")
     for key, value in DEFAULTS.items():
         if getattr(args, key, None) is None and hasattr(args, key):
             setattr(args, key, value)
+    if hasattr(args, "level") and "level" not in given and given & HAND_PICKED:
+        args.level = HAND_PICKED_LEVEL
     return given
 
 
@@ -182,8 +212,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
             help="amp level: O0 float32; O1 allow-list ops low; O2 all low but "
             "normalisation, fp32 master weights; O3 all low; lean = O3 with Kahan-compensated "
             "updates (bfloat16 accuracy near O2's at 8 bytes/param with AdamW); auto = by the hardware "
-            "(bfloat16 where it has bfloat16 units, float16 + loss scaling on older GPUs, "
-            f"else float32); rewrite = graph rewrite (default: {DEFAULTS['level']})",
+            "(O1 bfloat16 on a CPU with bfloat16 units, O2 bfloat16 on newer GPUs, O2 float16 "
+            "+ loss scaling on older ones, else float32; the header says what it picked and "
+            f"why); rewrite = graph rewrite (default: {DEFAULTS['level']}, or "
+            f"{HAND_PICKED_LEVEL} when --dtype, --loss-scale or --master-weights is given)",
         )
     p.add_argument(
         "--dtype",
@@ -196,7 +228,8 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
         "--loss-scale",
         type=_loss_scale_arg,
         default=None,
-        help=f"'dynamic', 'none' or a fixed number (default: {DEFAULTS['loss_scale']})",
+        help="'dynamic', 'none' or a fixed number (default: the level's own, as in the "
+        "library: dynamic for float16, none for bfloat16 and float32)",
     )
     p.add_argument(
         "--model",
@@ -251,9 +284,9 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
         "--threads",
         type=_positive(int),
         default=None,
-        help="CPU threads for PyTorch (default: PyTorch's choice"
-        + ("; with --resume, the run's own)" if train else ")")
-        + "; 1 is fastest for small models on a busy machine",
+        help=f"CPU threads for PyTorch (default on a CPU: {DEFAULT_CPU_THREADS}, fastest for "
+        "these small models, most of all when another process uses a core"
+        + ("; with --resume, the run's own)" if train else ")"),
     )
     p.add_argument(
         "--fp8",
@@ -376,8 +409,40 @@ def _add_diagnose_command(sub: Any) -> None:
         "--out",
         type=_path,
         default=Path("runs/diagnose"),
-        help="output folder (default: %(default)s)",
+        help="output folder (default: %(default)s); a folder that already holds a report is "
+        "refused unless --overwrite",
     )
+    diagnose.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the report in --out: its files are deleted before the new one is written",
+    )
+
+
+def precheck(args: argparse.Namespace) -> None:
+    """The checks that need no torch, made before a sub-command loads it (seconds): a
+    ``--data`` file that is missing or of an unknown kind (but with ``--resume``, where the
+    run's own data is used and a ``--data`` that differs is refused as such), an
+    ``--out`` that is a file.
+
+    >>> precheck(build_parser().parse_args(["train", "--data", "no-such-file.npz"]))
+    Traceback (most recent call last):
+    ...
+    mixprec.cli._args.UsageError: --data no-such-file.npz: no such file; check the path
+    """
+    data = getattr(args, "data", None)
+    if data is not None and getattr(args, "resume", None) is None:  # resumed: its own data
+        suffix = data.suffix.lower()
+        if suffix not in (".npz", ".csv"):
+            raise UsageError(
+                f"--data {data}: expected a .npz or .csv file, got {suffix or 'no suffix'!r}"
+            )
+        if not data.is_file():
+            what = "a folder, not a file" if data.is_dir() else "no such file"
+            raise UsageError(f"--data {data}: {what}; check the path")
+    out = getattr(args, "out", None)
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file, not a folder; choose another path")
 
 
 def build_parser() -> argparse.ArgumentParser:

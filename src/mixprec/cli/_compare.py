@@ -14,12 +14,21 @@ memory, skipped steps) is also written to ``compare.json`` and plotted to
 
 Every entry is checked before any trains (its level and options, ``+fp8`` on the
 model's layers, ``+compile`` on this platform, its master-weight mode on its level and
-dtype). Progress goes to stderr (``--quiet`` drops it): a line as each level starts and
-as it ends, with the level's number, the elapsed time and an estimate of the rest from
-the levels done so far::
+dtype). Progress goes to stderr (``--quiet`` drops it): a note first where this CPU
+emulates an entry's dtype, then a line as each level starts, one per epoch as it
+trains (sent by the level's process through its pipe) and one as it ends, with the
+level's number, the elapsed time and an estimate of the rest from the levels done so
+far::
 
       [2/3] O2: started (elapsed 9 s, ETA 18 s)
+      [2/3] O2: epoch 1/15, loss 2.3021, 11.20 ms/step (0.5 s)
+      ...
       [2/3] O2: O2 bfloat16 in 8.7 s (elapsed 18 s, ETA 9 s)
+
+The table gives each level's median step time and the range of its epochs' medians
+(:func:`table_lines`), and below it each level against the first, with a word where
+the difference lies within that spread. Each level runs on one CPU thread unless
+``--threads`` says otherwise, as ``mixprec train`` does.
 
 A level that fails (diverges, skips every step, raises, its process dies, or it is
 still running after ``--level-timeout`` seconds: stuck; the parent watches it, never
@@ -38,6 +47,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import functools
+import math
 import multiprocessing
 import signal
 import statistics
@@ -54,11 +65,13 @@ from mixprec.cli._args import MASTER_WEIGHTS, UsageError, fill_defaults
 from mixprec.cli._train import (
     DIVERGED,
     FLOAT16_STATE_EPS,
+    _concrete,
     _to_float8,
     _write_json,
     build_run,
     check_master_weights_arg,
     check_out_dir,
+    emulation_note,
     load_data,
 )
 from mixprec.tools._memory import peak_rss_mib, reset_peak_rss
@@ -114,22 +127,58 @@ def _entry_args(args: argparse.Namespace, entry: str) -> tuple[str, argparse.Nam
     return level, argparse.Namespace(**{**vars(args), **chosen})
 
 
+#: In a level's process: the pipe to the parent, for the epoch lines (set by :func:`_child`).
+_to_parent: Any = None
+
+
+def _tell_parent(message: dict[str, Any]) -> None:
+    """Send ``("epoch", message)`` to the parent, which prints it (nothing if none)."""
+    if _to_parent is not None:
+        _to_parent.send(("epoch", message))
+
+
+def epoch_step_ms(times: list[list[float]]) -> list[float]:
+    """Each epoch's median step time in ms, the first epoch left out when there are more
+    (it pays for warm-up: allocations, caches, compilation).
+
+    >>> epoch_step_ms([[0.010, 0.002], [0.002, 0.0022, 0.0021], [0.0019, 0.002]])
+    [2.1, 1.95]
+    """
+    kept = times[1:] if len(times) > 1 else times
+    return [round(1000 * statistics.median(t), 6) for t in kept if t]
+
+
 def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
     """Train one ``--levels`` entry in this (fresh) process and measure it."""
     level, args = _entry_args(args, entry)
     model, train, _, test, schedule = build_run(args, level)  # no validation: one test
     reset_peak_rss()  # count this level's training, not the imports before it
-    step_times: list[float] = []
+    step_times: list[list[float]] = []  # per epoch, seconds per step
 
     class _Timer(History):
+        def on_epoch_begin(self, state):  # noqa: ANN001
+            step_times.append([])
+            self.t_epoch = time.perf_counter()
+
         def on_step_end(self, state):  # noqa: ANN001
-            step_times.append(1.0 / max(state.samples_per_s, 1e-9) * args.batch_size)
+            super().on_step_end(state)
+            step_times[-1].append(1.0 / max(state.samples_per_s, 1e-9) * args.batch_size)
+
+        def on_epoch_end(self, state):  # noqa: ANN001
+            super().on_epoch_end(state)
+            _tell_parent({
+                "epoch": state.epoch, "epochs": args.epochs, "loss": state.metrics.get("loss"),
+                "step_ms": 1000 * statistics.median(step_times[-1] or [math.nan]),
+                "seconds": time.perf_counter() - self.t_epoch,
+            })  # fmt: skip
 
     if torch.cuda.is_available() and model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     model.train(args.epochs, train, callbacks=[schedule, _Timer()])
+    steps = [t for epoch in step_times for t in epoch]
+    per_epoch = epoch_step_ms(step_times)
     fraction = args.max_skipped_fraction or 1.0  # a level that learned nothing failed
-    check_skipped(int(model.optimizer.skipped_steps), len(step_times), fraction)
+    check_skipped(int(model.optimizer.skipped_steps), len(steps), fraction)
     final = model.eval(test)
     if model.device.type == "cuda":
         peak_mb = torch.cuda.max_memory_allocated() / 2**20
@@ -152,7 +201,10 @@ def _compare_one(args: argparse.Namespace, entry: str) -> dict[str, Any]:
         "config": config,
         "accuracy": final["accuracy"],
         "loss": final["loss"],
-        "step_ms": 1000 * statistics.median(step_times[len(step_times) // 5 :] or step_times),
+        "step_ms": 1000 * statistics.median(steps[len(steps) // 5 :] or steps),
+        # The spread: the epochs' median step times (the first epoch's warm-up left out).
+        "step_ms_epochs": per_epoch,
+        "step_ms_range": [min(per_epoch), max(per_epoch)] if per_epoch else None,
         "peak_mb": peak_mb,
         "skipped_steps": int(model.optimizer.skipped_steps),
     }
@@ -194,6 +246,8 @@ def _child(conn: Any, target: Callable[..., dict[str, Any]], args: Any, entry: s
     """
     from mixprec.cli import _one_line
 
+    global _to_parent
+    _to_parent = conn  # the epoch lines go the same way as the outcome
     if hasattr(signal, "pthread_sigmask"):
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -251,12 +305,14 @@ def run_level(
     target: Callable[..., dict[str, Any]] = _compare_one,
     poll_s: float = 0.2,
     timeout_s: float | None = None,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[str, Any, int]:
     """Run ``target(args, entry)`` in a fresh process; ``("ok", row, 0)`` or
     ``(status, reason, exit_code)``. A process that dies without answering (a crash in
     torch, the out-of-memory killer) is seen within ``poll_s``, and one still running
     after ``timeout_s`` seconds (alive but stuck) is stopped: ``("timeout", reason, 1)``.
-    Nothing waits forever, and no process outlives the call (Ctrl-C here included)."""
+    Nothing waits forever, and no process outlives the call (Ctrl-C here included).
+    What the level tells as each epoch ends goes to ``on_epoch`` as it arrives."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child, args=(send, target, args, entry), daemon=True)
@@ -273,6 +329,10 @@ def run_level(
                     outcome = receive.recv()
                 except EOFError:  # the child died (its end closed) without a word
                     break
+                if outcome[0] == "epoch":  # a line of progress, not the answer
+                    if on_epoch is not None:
+                        on_epoch(outcome[1])
+                    outcome = None
             elif not process.is_alive():
                 if not receive.poll(0):
                     break
@@ -318,12 +378,16 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     progress = _Progress(len(levels), quiet=args.quiet)
+    if not args.quiet:
+        for note in _emulation_notes(args, levels, device):
+            print(note, file=sys.stderr, flush=True)
     for i, entry in enumerate(levels, 1):
         progress.start(i, entry)
         try:
             status, found, code = run_level(
-                args, entry, target=level_target, timeout_s=getattr(args, "level_timeout", None)
-            )
+                args, entry, target=level_target, timeout_s=getattr(args, "level_timeout", None),
+                on_epoch=functools.partial(progress.epoch, i, entry),
+            )  # fmt: skip
         except KeyboardInterrupt:
             rows.append({"config": entry, "entry": entry, "status": "interrupted",
                          "reason": "Ctrl-C (SIGINT)", "exit_code": 130})  # fmt: skip
@@ -339,22 +403,8 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append({"config": entry, "entry": entry, "status": status, "reason": found,
                          "exit_code": code})  # fmt: skip
         progress.end(i, entry, rows[-1]["config"] if status == "ok" else f"{status}: {found}")
-    # 25 wide, or wider for a long config ("lean bfloat16 masters-stochastic"), so the
-    # numbers stay in their columns.
-    width = max(25, 1 + max(len(r["config"]) for r in rows))
-    header = (
-        f"{'config':<{width}}{'accuracy':>9}{'loss':>8}{'ms/step':>9}{'peak MB':>9}{'skipped':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        if r["status"] != "ok":
-            print(f"{r['config']:<{width}}  {r['status']} (exit {r['exit_code']}): {r['reason']}")
-            continue
-        print(
-            f"{r['config']:<{width}}{r['accuracy']:>9.4f}{r['loss']:>8.4f}{r['step_ms']:>9.2f}"
-            f"{r['peak_mb']:>9.0f}{r['skipped_steps']:>9d}"
-        )
+    for line in table_lines(rows):
+        print(line)
     plotted = _save(args, rows, device)
     print(f"wrote compare.json{' and compare.png' if plotted else ''} to {args.out}")
     failed = [r for r in rows if r["status"] != "ok"]
@@ -371,6 +421,85 @@ def run_compare(args: argparse.Namespace) -> list[dict[str, Any]]:
             code,
         )
     return rows
+
+
+def _emulation_notes(args: argparse.Namespace, entries: list[str], device: Any) -> list[str]:
+    """The note for each low-precision dtype that this CPU emulates, naming the entries
+    that train in it (their step times then say little about a CPU with the units)."""
+    emulated: dict[str, list[str]] = {}
+    for entry in entries:
+        level, entry_args = _entry_args(args, entry)
+        concrete, dtype = _concrete(entry_args, level, device)
+        if spec_of(concrete).low_precision and emulation_note(device, dtype):
+            emulated.setdefault(str(dtype), []).append(entry)
+    notes = []
+    for dtype_name, names in emulated.items():
+        note = emulation_note(device, getattr(torch, dtype_name.removeprefix("torch.")))
+        notes.append(f"{note}: {', '.join(names)} train in it")
+    return notes
+
+
+def _range_text(r: dict[str, Any]) -> str:
+    low_high = r.get("step_ms_range")
+    return "-" if not low_high else f"{low_high[0]:.2f}-{low_high[1]:.2f}"
+
+
+def table_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The table ``mixprec compare`` prints, and below it the step times against the
+    first level's, each with a word when it lies within the epochs' spread.
+
+    ``ms/step`` is the median step time after the first fifth of the steps; ``epochs``
+    the range of the epochs' median step times (the first epoch, warm-up, left out): on
+    a busy machine the range is wide, and a difference inside it is no difference.
+
+    >>> rows = [{"config": "O0", "status": "ok", "accuracy": 0.95, "loss": 0.2,
+    ...          "step_ms": 2.0, "step_ms_range": [1.9, 2.3], "peak_mb": 300.0,
+    ...          "skipped_steps": 0},
+    ...         {"config": "O1 bfloat16", "status": "ok", "accuracy": 0.95, "loss": 0.2,
+    ...          "step_ms": 2.1, "step_ms_range": [2.0, 2.2], "peak_mb": 310.0,
+    ...          "skipped_steps": 0}]
+    >>> print(*table_lines(rows), sep=chr(10))
+    config                    accuracy    loss  ms/step        epochs  peak MB  skipped
+    -----------------------------------------------------------------------------------
+    O0                          0.9500  0.2000     2.00     1.90-2.30      300        0
+    O1 bfloat16                 0.9500  0.2000     2.10     2.00-2.20      310        0
+    step time against O0: O1 bfloat16 1.05x (within the epochs' spread: no measured difference)
+    """
+    # 25 wide, or wider for a long config ("lean bfloat16 masters-stochastic"), so the
+    # numbers stay in their columns.
+    width = max(25, 1 + max(len(r["config"]) for r in rows))
+    header = (
+        f"{'config':<{width}}{'accuracy':>9}{'loss':>8}{'ms/step':>9}{'epochs':>14}"
+        f"{'peak MB':>9}{'skipped':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(
+                f"{r['config']:<{width}}  {r['status']} (exit {r['exit_code']}): {r['reason']}"
+            )
+            continue
+        lines.append(
+            f"{r['config']:<{width}}{r['accuracy']:>9.4f}{r['loss']:>8.4f}{r['step_ms']:>9.2f}"
+            f"{_range_text(r):>14}{r['peak_mb']:>9.0f}{r['skipped_steps']:>9d}"
+        )
+    ok = [r for r in rows if r["status"] == "ok"]
+    if len(ok) > 1:
+        first = ok[0]
+        lines.append(
+            f"step time against {first['config']}: " + "; ".join(_against(r, first) for r in ok[1:])
+        )
+    return lines
+
+
+def _against(row: dict[str, Any], first: dict[str, Any]) -> str:
+    """``row``'s step time as a ratio to ``first``'s, and whether the ranges overlap."""
+    ratio = row["step_ms"] / first["step_ms"] if first["step_ms"] > 0 else math.nan
+    text = f"{row['config']} {ratio:.2f}x"
+    a, b = row.get("step_ms_range"), first.get("step_ms_range")
+    if a and b and a[0] <= b[1] and b[0] <= a[1]:
+        return f"{text} (within the epochs' spread: no measured difference)"
+    return text
 
 
 class _Progress:
@@ -393,6 +522,16 @@ class _Progress:
         if not self.quiet:
             print(f"  [{i}/{self.total}] {entry}: started ({self._times(self.total - i + 1)})",
                   file=sys.stderr, flush=True)  # fmt: skip
+
+    def epoch(self, i: int, entry: str, info: dict[str, Any]) -> None:
+        """A level's epoch has ended: its loss and median step time."""
+        if self.quiet:
+            return
+        loss = info.get("loss")
+        loss_text = f"loss {loss:.4f}, " if isinstance(loss, (int, float)) else ""
+        print(f"  [{i}/{self.total}] {entry}: epoch {info['epoch']}/{info['epochs']}, {loss_text}"
+              f"{info['step_ms']:.2f} ms/step ({info['seconds']:.1f} s)",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     def end(self, i: int, entry: str, what: str) -> None:
         self.took.append(time.perf_counter() - self.t_level)

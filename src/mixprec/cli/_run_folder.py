@@ -102,12 +102,19 @@ def _link_text(link: Path) -> str:
         return f"{link} is a link"
 
 
+def present_files(folder: Path, names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` present in ``folder``; a link counts, dangling or not."""
+    if not folder.is_dir():
+        return []
+    return [name for name in names if os.path.lexists(folder / name)]
+
+
 def run_files(folder: Path) -> list[str]:
     """The names of a run's files present in ``folder`` (``checkpoints/`` if it has any);
     a link counts, dangling or not."""
     if not folder.is_dir():
         return []
-    names = [name for name in RUN_FILES if os.path.lexists(folder / name)]
+    names = present_files(folder, RUN_FILES)
     if (folder / "checkpoints").is_symlink() or _checkpoints(folder).existing():
         names.append("checkpoints/")
     return names
@@ -277,6 +284,8 @@ def resume_settings(args: argparse.Namespace, given: set[str]) -> argparse.Names
             )
     for key in RESUMED:
         setattr(args, key, saved[key])
+    if args.dtype == "float32":  # an O0 run (e.g. auto on a CPU without bfloat16 units)
+        args.dtype = None
     args.requested_level = saved["level"]
     args.level = saved["amp_level"]  # "auto" as it was resolved
     args.data = None if saved["data"] is None else Path(saved["data"])

@@ -32,7 +32,7 @@ import torch
 
 from mixprec.amp._auto import choose_auto, cpu_has_fast
 from mixprec.amp._level_specs import check_master_weights, float16_optimizer_state, spec_of
-from mixprec.cli._args import UsageError, fill_defaults
+from mixprec.cli._args import DEFAULT_CPU_THREADS, HAND_PICKED_LEVEL, UsageError, fill_defaults
 from mixprec.cli._run_folder import (
     KEEP_LAST,
     RUN_FORMAT,
@@ -43,6 +43,7 @@ from mixprec.cli._run_folder import (
     resume_settings,
 )
 from mixprec.cli._torchrun import failing
+from mixprec.diagnostics import DEFAULT_EVERY
 from mixprec.loss_scale import LossScale, ScaleCollapseError, loss_scale_from_spec
 from mixprec.optim import AdamW8bit
 from mixprec.train._atomic import atomic_write
@@ -215,14 +216,56 @@ def _adam_eps(args: argparse.Namespace, level: str, device: torch.device) -> flo
     return FLOAT16_STATE_EPS if float16_optimizer_state(level, dtype, masters) else 1e-8
 
 
+def settle_threads(args: argparse.Namespace, device: torch.device) -> None:
+    """Set PyTorch's CPU threads: ``--threads``, or on a CPU :data:`DEFAULT_CPU_THREADS`
+    (``args.threads`` then holds it, and ``args.chosen["threads"]`` says why)."""
+    if args.threads is None and device.type == "cpu":
+        args.threads = DEFAULT_CPU_THREADS
+        _chosen(args)["threads"] = (
+            f"threads {DEFAULT_CPU_THREADS}: fastest for these small models, most of all on a "
+            "busy CPU (--threads N to change)"
+        )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+
+def _chosen(args: argparse.Namespace) -> dict[str, str]:
+    """What the command chose for options left out, and why (printed in the header)."""
+    if getattr(args, "chosen", None) is None:
+        args.chosen = {}
+    return args.chosen
+
+
+def settle_loss_scale(args: argparse.Namespace, level: str, dtype: torch.dtype) -> None:
+    """``--loss-scale`` left out: the level's own in ``dtype`` (the library's rule,
+    :meth:`~mixprec.amp.LevelSpec.default_loss_scale`): ``dynamic`` for float16, ``none``
+    for bfloat16 and float32. ``args.loss_scale`` then holds it, as ``config.json`` does."""
+    if args.loss_scale is not None:
+        return
+    spec = spec_of(level)
+    args.loss_scale = spec.default_loss_scale(dtype).kind if spec.low_precision else "none"
+    if not spec.low_precision:
+        return
+    why = {
+        "none": "float32's exponent range needs none; an overflowing step is still skipped",
+        "dynamic": "its gradients underflow without one",
+    }
+    _chosen(args)["loss_scale"] = (
+        f"loss scale {args.loss_scale}: level {level}'s own for {_name(dtype)} "
+        f"({why[args.loss_scale]}; --loss-scale to choose)"
+    )
+
+
 def build_run(args: argparse.Namespace, level: str):
     """Seeded data, model, Model wrapper and LR schedule for one configuration.
 
-    Returns ``(model, train_loader, val_loader, test_loader, schedule)``.
+    Options left out that depend on the hardware or the level (``--threads``,
+    ``--loss-scale``) are settled here, into ``args``. Returns ``(model, train_loader,
+    val_loader, test_loader, schedule)``.
     """
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    settle_threads(args, device)
+    settle_loss_scale(args, *_concrete(args, level, device))
     train, val, test, classes, shape = load_data(args)
     train = shard_loader(train, args.seed)  # under torchrun: this rank's share
     torch.manual_seed(args.seed)
@@ -342,18 +385,32 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")  # as --dtype spells it
 
 
-def _hardware_notes(model: Model) -> list[str]:
+def run_dtype(model: Model) -> str:
+    """The dtype a run computes in, as ``--dtype`` spells it: ``float32`` at O0."""
+    return _name(model.dtype) if spec_of(model.amp_level).low_precision else "float32"
+
+
+def emulation_note(device: torch.device, dtype: torch.dtype) -> str | None:
+    """The note for low precision that this CPU emulates (no units for it), or ``None``."""
+    if device.type != "cpu" or cpu_has_fast(dtype):
+        return None
+    name = _name(dtype)
+    return (
+        f"note: this CPU has no {name} units, so {name} is emulated here and runs far slower "
+        "than float32 (leave --level and --dtype out: auto picks float32 on such a CPU)"
+    )
+
+
+def _hardware_notes(model: Model, args: argparse.Namespace) -> list[str]:
+    """Why the run trains as it does: what ``auto`` picked, the threads and the loss scale
+    the command chose for options left out, and a warning for emulated low precision."""
     notes = []
     if model.auto_reason is not None:
-        low = _name(model.dtype) if spec_of(model.amp_level).low_precision else "float32"
-        notes.append(f"auto: level {model.amp_level}, {low}: {model.auto_reason}")
-    low_precision = spec_of(model.amp_level).low_precision
-    if model.device.type == "cpu" and low_precision and not cpu_has_fast(model.dtype):
-        name = _name(model.dtype)
-        notes.append(
-            f"note: this CPU has no {name} units, so {name} is emulated here and runs far "
-            "slower than float32 (--level auto picks float32 on such a CPU)"
-        )
+        notes.append(f"auto: level {model.amp_level}, {run_dtype(model)}: {model.auto_reason}")
+    notes += list(_chosen(args).values())
+    if spec_of(model.amp_level).low_precision:
+        emulated = emulation_note(model.device, model.dtype)
+        notes += [emulated] if emulated else []
     return notes
 
 
@@ -362,7 +419,7 @@ def _config(args: argparse.Namespace, model: Model) -> dict[str, Any]:
         "format": RUN_FORMAT,
         "level": getattr(args, "requested_level", args.level),
         "amp_level": model.amp_level,
-        "dtype": _name(model.dtype),
+        "dtype": run_dtype(model),  # float32 at O0 (auto on a CPU without bfloat16 units)
         "loss_scale": args.loss_scale,
         "model": args.model,
         "data": None if args.data is None else str(args.data),
@@ -433,7 +490,7 @@ def _write_results(
     underflow = None if precision is None else precision.underflow_series()
     plot_loss_scale(
         history.loss_scales, history.skipped, out / "loss_scale.png", underflow=underflow,
-        dtype=config["dtype"] if spec_of(config["amp_level"]).low_precision else "float32",
+        dtype=config["dtype"], loss_scale=config["loss_scale"],
     )  # fmt: skip
     return summary
 
@@ -446,16 +503,16 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
     :data:`DIVERGED` after writing what it has when the run diverges.
     """
     given = fill_defaults(args)
-    checkpoint, done, warning = None, 0, None
+    checkpoint, done, warning, built = None, 0, None, None
     held: list[RunLock] = []  # the run folder's lock, once rank 0 has taken it
     try:
         try:
-            checkpoint, done, warning = _check_inputs(args, given, held)
+            checkpoint, done, warning, built = _check_inputs(args, given, held)
         except Exception as err:  # noqa: BLE001 - every rank hears of it, then it is raised
             _agree(err)
         _agree(None)
         # Every input error surfaces here, before anything is written.
-        model, train, val, test, schedule = build_run(args, args.level)
+        model, train, val, test, schedule = built or build_run(args, args.level)
         out = args.out
         if checkpoint is None:
             run_on_main(prepare_out, out, args.overwrite)
@@ -472,8 +529,13 @@ def run_train(args: argparse.Namespace) -> dict[str, Any]:
 
 def _check_inputs(args: argparse.Namespace, given: set[str], held: list[RunLock]) -> tuple:
     """Check ``--resume`` or ``--out`` and settle ``args`` (in place), taking the run
-    folder's lock on rank 0 into ``held``; ``(checkpoint, epochs done, warning)``."""
-    checkpoint, done, warning = None, 0, None
+    folder's lock on rank 0 into ``held``; ``(checkpoint, epochs done, warning, run)``.
+
+    A new run is built (``run``, :func:`build_run`'s tuple) before its folder is looked
+    at, so that bad options or data are reported as such, not hidden behind a folder
+    that already holds a run; nothing is written before every check has passed.
+    """
+    checkpoint, done, warning, run = None, 0, None, None
     if args.resume is not None:
         if args.resume.is_dir() and is_main_process():  # before the folder is read
             held.append(RunLock(args.resume, "--resume").acquire())
@@ -487,21 +549,23 @@ def _check_inputs(args: argparse.Namespace, given: set[str], held: list[RunLock]
         if (args.resume / "metrics.csv").is_file():
             CSVLogger.read(args.resume / "metrics.csv")  # damaged: refused, by name
     else:
-        # Before the folder is created or locked: a bad pair writes nothing at all.
+        # Before the folder is created or locked: a bad option writes nothing at all.
+        if spec_of(args.level).by_hardware and "dtype" in given:
+            raise UsageError(
+                f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by "
+                "the hardware; leave --level out (--dtype alone trains at "
+                f"{HAND_PICKED_LEVEL}), or name a level"
+            )
         check_master_weights_arg(args, args.level, f"--master-weights {args.master_weights}")
         args.out = Path("runs/train") if args.out is None else args.out
         check_out_dir(args.out)
+        run = build_run(args, args.level)  # the data, the device, the model: all checked
+        args.data = None if args.data is None else args.data.resolve()  # resumable anywhere
         if is_main_process():  # before the folder is looked at: one run at a time
             flag = "--overwrite" if args.overwrite else "--out"
             held.append(RunLock(args.out, flag).acquire())
         check_new_out(args.out, args.overwrite)
-        if spec_of(args.level).by_hardware and "dtype" in given:
-            raise UsageError(
-                f"--dtype {args.dtype} contradicts --level auto, which picks the dtype by "
-                "the hardware; leave --dtype out, or name a level"
-            )
-        args.data = None if args.data is None else args.data.resolve()  # resumable anywhere
-    return checkpoint, done, warning
+    return checkpoint, done, warning, run
 
 
 def _agree(error: Exception | None) -> None:
@@ -545,14 +609,15 @@ def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -
         if warning is not None:
             print(f"mixprec: warning: {warning}", file=sys.stderr)
     config = _config(args, model)
-    lowp = _name(model.dtype) if spec_of(model.amp_level).low_precision else "float32"
+    threads = f", {args.threads} thread{'s' if args.threads != 1 else ''}" if args.threads else ""
     print(
         f"mixprec train: {args.model} on {'digits' if args.data is None else args.data}, "
-        f"level {model.amp_level}, {lowp}, loss scale {args.loss_scale}, {model.device}"
+        f"level {model.amp_level}, {run_dtype(model)}, loss scale {args.loss_scale}, "
+        f"{model.device}{threads}"
         + (f", master weights {args.master_weights}" if args.master_weights else "")
         + (f", optimizer {args.optimizer}" if args.optimizer != "adamw" else "")
     )
-    for note in _hardware_notes(model):
+    for note in _hardware_notes(model, args):
         print(note)
     if args.adam_eps == FLOAT16_STATE_EPS:
         print(f"note: AdamW eps {FLOAT16_STATE_EPS:g}, not 1e-08: level {model.amp_level} keeps "
@@ -567,9 +632,13 @@ def _train(args, model, train, val, test, schedule, checkpoint, done, warning) -
     history = History()
     sizes = {name: len(loader.dataset) for name, loader in
              (("train", train), ("validation", val), ("test", test))}  # fmt: skip
-    # Gradient underflow beside the loss scale (sampled every 100 steps, no syncs between).
+    # Gradient underflow beside the loss scale: sampled every 100 steps (no syncs between),
+    # or once an epoch where epochs are shorter, so that every epoch line has its number.
     low = spec_of(model.amp_level).low_precision and model.dtype in (torch.float16, torch.bfloat16)
-    precision = PrecisionMonitor(dtype=model.dtype, verbose=not args.quiet) if low else None
+    every = min(DEFAULT_EVERY, len(train))
+    precision = (
+        PrecisionMonitor(every=every, dtype=model.dtype, verbose=not args.quiet) if low else None
+    )
     total_steps = args.epochs * len(train)
     callbacks = [
         _RunStart(out, config, lambda: _relayout(schedule, model.optimizer, args.lr, total_steps)),

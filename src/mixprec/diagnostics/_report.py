@@ -208,6 +208,40 @@ class PrecisionReport:
             lines.append("at risk under any single scale (keep in float32):")
             for name in self.at_risk:
                 lines.append(f"  {name}: {'; '.join(self.reasons[name])}")
+        lines += self._not_at_risk_lines()
+        return lines
+
+    def _not_at_risk_lines(self) -> list[str]:
+        """Why tensors whose ``under`` column (at the recommended scale) passes the
+        tolerance are not at risk: so a large number beside "none" reads as it should."""
+        scale, name_of = self.recommended_loss_scale, str(self.dtype).replace("torch.", "")
+        subnormal: list[str] = []
+        far: list[str] = []
+        for name, layer in self.layers.items():
+            for tensor, counts in layer.tensors.items():
+                gradient = tensor in GRADIENTS
+                under = counts.underflow_fraction(self.dtype, scale if gradient else 1.0)
+                if under <= self.tolerance or (name, tensor) in self.risky_tensors:
+                    continue
+                (far if gradient else subnormal).append(f"{name} {tensor} {percent(under)}")
+        lines = []
+        if subnormal:
+            lines.append(
+                f"not at risk, though over {percent(self.tolerance)} under: "
+                f"{', '.join(subnormal)}: subnormal in {name_of}, not zero (fewer bits of "
+                "precision, no value lost; at risk is more than the tolerance becoming zero)"
+            )
+        if far:
+            why = (
+                "subnormal at the recommended scale, not zero"
+                if self.horizon_bits is None
+                else f"values more than 2^{self.horizon_bits} below their tensor's largest, "
+                "which the sums they enter round away anyway"
+            )
+            lines.append(
+                f"not at risk, though over {percent(self.tolerance)} under at the scale: "
+                f"{', '.join(far)}: {why}"
+            )
         return lines
 
     def table_rows(self) -> list[list[str]]:

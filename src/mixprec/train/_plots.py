@@ -125,8 +125,34 @@ def plot_accuracy(
     _save(fig, path, data)
 
 
-#: The text ``loss_scale.png`` shows for a dtype that needs no loss scaling.
-NO_SCALING_NOTE = "bfloat16: no scaling needed"
+def scale_note(
+    scales: Sequence[float], dtype: str | None = None, loss_scale: str | None = None
+) -> str:
+    """What a run did with its loss scale, in words: ``loss_scale.png``'s title.
+
+    Read from the scales themselves (``1`` throughout: not scaled), with the run's
+    ``dtype`` and ``loss_scale`` setting (``"dynamic"``, ``"none"`` or a number, as
+    ``mixprec train --loss-scale`` takes it) to say why, where given.
+
+    >>> scale_note([1.0, 1.0], "bfloat16", "none")
+    "not scaled: bfloat16 has float32's exponent range"
+    >>> scale_note([65536.0, 32768.0, 32768.0], "float16", "dynamic")
+    'dynamic: 32768 to 65536'
+    >>> scale_note([1024.0, 1024.0], "float16", "1024")
+    'static: 1024 throughout'
+    """
+    used = sorted(set(scales))
+    if dtype == "float32":
+        return "not scaled: float32 (level O0)"
+    if not used:
+        return "no steps"
+    if used == [1.0] and loss_scale in (None, "none"):
+        why = {"bfloat16": ": bfloat16 has float32's exponent range"}.get(str(dtype), "")
+        return f"not scaled{why}"
+    kind = {"dynamic": "dynamic", None: "loss scale"}.get(loss_scale, "static")
+    if len(used) == 1:
+        return f"{kind}: {used[0]:g} throughout"
+    return f"{kind}: {used[0]:g} to {used[-1]:g}"
 
 
 def plot_loss_scale(
@@ -135,96 +161,58 @@ def plot_loss_scale(
     path: str | Path,
     underflow: tuple[Sequence[int], Sequence[float]] | None = None,
     dtype: str | None = None,
+    loss_scale: str | None = None,
 ) -> None:
     """The loss scale after each step (log scale), skipped steps marked with red crosses.
 
     ``underflow``: ``(steps, fractions)`` of sampled gradient underflow (for example
     ``PrecisionMonitor.underflow_series()``), drawn against a second axis on the right.
 
-    ``dtype``: the run's low-precision dtype. For ``"bfloat16"`` (float32's exponent
-    range: gradients do not underflow for want of a scale) the plot is the gradient
-    underflow fraction, headed :data:`NO_SCALING_NOTE`, with the scale in use and the
-    skipped steps in a note, rather than a flat line; for ``"float32"`` (level O0) it says
-    that nothing is scaled. The embedded data is the same either way, plus ``note``.
+    ``dtype`` and ``loss_scale``: the run's low-precision dtype (``"float32"`` for level
+    O0) and its loss-scale setting (``"dynamic"``, ``"none"`` or a number, as ``mixprec
+    train --loss-scale`` takes it). With them, the title says what the run did and why
+    (:func:`scale_note`): a run that was not scaled (bfloat16 by default) shows the scale
+    of 1 it used, not a scale it did not have. The embedded data holds the same words as
+    ``note``.
 
     >>> import os, tempfile
     >>> path = os.path.join(tempfile.mkdtemp(), "loss_scale.png")
     >>> plot_loss_scale([8.0, 4.0, 4.0, 8.0], [False, True, False, False], path)
     >>> read_plot_data(path)
-    {'scales': [8.0, 4.0, 4.0, 8.0], 'skipped_steps': [2]}
-    >>> plot_loss_scale([1.0, 1.0], [False, False], path, dtype="bfloat16")
+    {'scales': [8.0, 4.0, 4.0, 8.0], 'skipped_steps': [2], 'note': 'loss scale: 4 to 8'}
+    >>> plot_loss_scale([1.0, 1.0], [False, False], path, dtype="bfloat16", loss_scale="none")
     >>> read_plot_data(path)["note"]
-    'bfloat16: no scaling needed'
+    "not scaled: bfloat16 has float32's exponent range"
     """
-    if dtype in ("bfloat16", "float32"):
-        _plot_unscaled(scales, skipped, path, underflow, dtype)
-        return
     fig, ax = _pyplot().subplots(figsize=(7, 4))
     steps = list(range(1, len(scales) + 1))
+    note = scale_note(scales, dtype, loss_scale)
     ax.step(steps, scales, where="post", label="loss scale")
     marked = [s for s, skip in zip(steps, skipped) if skip]
     if marked:
         ax.plot(marked, [scales[s - 1] for s in marked], "rx", ms=8, label="skipped step")
-    ax.set(xlabel="step", ylabel="loss scale", title="Loss scale (skipped steps marked)")
+    ax.set(xlabel="step", ylabel="loss scale", title=f"Loss scale: {note}")
     if scales and min(scales) > 0:
         ax.set_yscale("log", base=2)
+    if steps:
+        ax.set_xlim(0.5, steps[-1] + 0.5)  # the first sample (step 1) off the frame edge
+    ax.text(
+        0.02, 0.95, f"{len(marked)} skipped step(s) of {len(steps)}",
+        transform=ax.transAxes, va="top", fontsize=9,
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
+    )  # fmt: skip
     handles, labels = ax.get_legend_handles_labels()
-    data = {"scales": list(scales), "skipped_steps": marked}
-    if underflow is not None:
+    data: dict = {"scales": list(scales), "skipped_steps": marked, "note": note}
+    if underflow is not None and len(underflow[0]):
         at, fractions = list(underflow[0]), [float(f) for f in underflow[1]]
         right = ax.twinx()
         right.plot(at, fractions, "o-", color="tab:orange", ms=3, lw=1, label="gradient underflow")
         right.set_ylabel("fraction of gradient values underflowing")
-        right.set_ylim(bottom=0)
+        right.set_ylim(bottom=0, top=max(max(fractions) * 1.2, 1e-3))
         extra_handles, extra_labels = right.get_legend_handles_labels()
         handles, labels = handles + extra_handles, labels + extra_labels
         data.update(underflow_steps=at, underflow_fractions=fractions)
-    ax.legend(handles, labels)
-    ax.grid(alpha=0.3)
-    _save(fig, path, data)
-
-
-def _plot_unscaled(
-    scales: Sequence[float],
-    skipped: Sequence[bool],
-    path: str | Path,
-    underflow: tuple[Sequence[int], Sequence[float]] | None,
-    dtype: str,
-) -> None:
-    """``loss_scale.png`` for a run whose dtype needs no loss scaling."""
-    fig, ax = _pyplot().subplots(figsize=(7, 4))
-    steps = list(range(1, len(scales) + 1))
-    marked = [s for s, skip in zip(steps, skipped) if skip]
-    note = NO_SCALING_NOTE if dtype == "bfloat16" else "float32 (level O0): nothing is scaled"
-    data: dict = {"scales": list(scales), "skipped_steps": marked, "note": note}
-    if underflow is not None and len(underflow[0]):
-        at, fractions = list(underflow[0]), [float(f) for f in underflow[1]]
-        ax.plot(at, fractions, "o-", color="tab:orange", ms=3, lw=1, label="gradient underflow")
-        ax.set_ylim(bottom=0, top=max(max(fractions) * 1.2, 1e-3))
-        data.update(underflow_steps=at, underflow_fractions=fractions)
-        ax.set(xlabel="step", ylabel="fraction of gradient values underflowing")
-    else:
-        ax.set(xlabel="step", yticks=[])
-    for i, s in enumerate(marked):
-        ax.axvline(s, color="tab:red", lw=0.8, alpha=0.6, label="skipped step" if i == 0 else None)
-    if steps:
-        ax.set_xlim(0.5, steps[-1] + 0.5)  # the first sample (step 1) off the frame edge
-    used = sorted(set(scales))
-    used_text = (
-        "no steps"
-        if not used
-        else f"loss scale {used[0]:g} throughout"
-        if len(used) == 1
-        else f"loss scale {used[0]:g} to {used[-1]:g}"
-    )
-    ax.set_title(note)
-    ax.text(
-        0.02, 0.95, f"{used_text}; {len(marked)} skipped step(s) of {len(steps)}",
-        transform=ax.transAxes, va="top", fontsize=9,
-        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
-    )  # fmt: skip
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc="upper right")
+    ax.legend(handles, labels, loc="upper right")
     ax.grid(alpha=0.3)
     _save(fig, path, data)
 
