@@ -161,7 +161,9 @@ def test_state_machine_follows_the_plain_python_reference_one_cast_at_a_time(kin
         x = torch.tensor(values)
         data, inv = scaling.cast(x)
         assert float(scaling.scale) == pytest.approx(ref.scale, rel=1e-6)
-        assert int(scaling.saturated) == saturated and int(scaling.numel) == len(values)
+        assert int(scaling.saturated) == saturated
+        # Only a recipe that can clip counts (dynamic puts the amax at the maximum).
+        assert int(scaling.numel) == (len(values) if scaling.clips else 0)
         assert int(scaling.overflows) == ref.overflows
         if kind == "delayed":
             assert scaling.amax_history.tolist() == pytest.approx(ref.history, rel=1e-6)

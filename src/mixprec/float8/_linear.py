@@ -56,45 +56,55 @@ _FLOAT8_ATTRIBUTES = frozenset({"output_dtype", "source_class"})
 _NOT_TAKEN_OVER = frozenset({"_compiled_call_impl"})
 
 
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    # The second operand of _scaled_mm must be column-major on GPUs.
-    return t.t().contiguous().t()
-
-
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` with zero rows appended up to a multiple of :data:`ALIGNMENT` (zeros add nothing)."""
     missing = -t.shape[0] % ALIGNMENT
-    if not missing:
-        return t
-    return torch.cat((t, torch.zeros(missing, t.shape[1], dtype=t.dtype, device=t.device)))
+    return torch.nn.functional.pad(t, (0, 0, 0, missing)) if missing else t
+
+
+def _transposed(t: torch.Tensor) -> torch.Tensor:
+    """``t^T`` written row-major with its columns padded to :data:`ALIGNMENT`: the layout of
+    a backward operand (``t^T`` on the left, or ``t`` column-major on the right)."""
+    return _pad_rows(t).t().contiguous()
 
 
 class _Float8Matmul(torch.autograd.Function):
     """``x @ W^T`` from float8 copies; the backward casts ``grad_y`` to e5m2 and runs
     both gradient matmuls in float8. ``x`` and ``weight`` are inputs only so that their
-    gradients are routed to them; the float8 copies are what is saved and used."""
+    gradients are routed to them; the float8 copies are what is used and saved.
+
+    Each operand is written once in every layout a matmul takes it in, by the pass that
+    casts it: the forward saves ``W8^T`` and ``x8^T`` (row-major, rows padded) for the
+    backward, and the backward writes ``g8`` and ``g8^T`` from one cast. Under
+    ``torch.compile`` a transpose then costs no pass of its own: it is one more store
+    of the cast's loop. ``_scaled_mm``'s second operand is column-major: ``B^T``
+    row-major, read through ``.t()``.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, x8: torch.Tensor,
                 x_inv: torch.Tensor, w8: torch.Tensor, w_inv: torch.Tensor,
                 grad_scaling: Float8Scaling, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        # ``weight`` and ``w8`` are (out, in), possibly as transposed views (Conv1D); each
-        # operand is put in one layout, so both layer kinds run the very same matmuls.
-        ctx.save_for_backward(x8, x_inv, w8, w_inv)
+        # ``weight`` and ``w8`` are (out, in), possibly as transposed views (Conv1D): w8 is
+        # written row-major, so both layer kinds run the very same matmuls.
+        w8 = w8.contiguous()
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.save_for_backward(w8.t().contiguous() if need_x else None, w_inv,
+                              _transposed(x8) if need_w else None, x_inv)  # fmt: skip
         ctx.grad_scaling = grad_scaling
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        return scaled_mm(x8, _column_major(w8.t()), x_inv, w_inv, out_dtype)
+        return scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x8, x_inv, w8, w_inv = ctx.saved_tensors
-        g8, g_inv = ctx.grad_scaling.cast(grad_y.contiguous())
+        w8t, w_inv, x8t, x_inv = ctx.saved_tensors
+        g8, g_inv = ctx.grad_scaling._cast(grad_y)
+        g8 = g8.contiguous()
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = scaled_mm(g8, _column_major(w8), g_inv, w_inv, ctx.x_dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = scaled_mm(_pad_rows(g8).t().contiguous(), _column_major(_pad_rows(x8)),
-                               g_inv, x_inv, ctx.w_dtype)  # fmt: skip
+        if w8t is not None:  # grad_x = g @ W: W (out, in) column-major is W^T row-major
+            grad_x = scaled_mm(g8, w8t.t(), g_inv, w_inv, ctx.x_dtype)
+        if x8t is not None:  # grad_W = g^T @ x, the token dimension padded
+            grad_w = scaled_mm(_transposed(g8), x8t.t(), g_inv, x_inv, ctx.w_dtype)
         return grad_x, grad_w, None, None, None, None, None, None
 
 
@@ -245,8 +255,8 @@ class Float8Layer(nn.Module):
         out_dtype = self._output_dtype(x)
         rows = x.reshape(-1, in_features)
         weight = self.weight_out_in()
-        x8, x_inv = self.input_scaling.cast(rows)
-        w8, w_inv = self.weight_scaling.cast(weight)
+        x8, x_inv = self.input_scaling._cast(rows.detach())
+        w8, w_inv = self.weight_scaling._cast(weight.detach())
         y = _Float8Matmul.apply(rows, weight, x8, x_inv, w8, w_inv, self.grad_scaling,
                                 out_dtype)  # fmt: skip
         y = y.reshape(*x.shape[:-1], out_features)

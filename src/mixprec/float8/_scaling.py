@@ -56,8 +56,9 @@ class Float8Scaling(nn.Module):
     Buffers: ``scale`` (the last cast's scale), ``amax`` (the last amax seen, as
     seen: it may be inf/nan), ``saturated`` (elements of the last cast that were
     clipped: more than half a float8 step beyond ``fp8_max`` after scaling, so the
-    cast changed them by more than rounding), ``numel`` (elements of the last cast)
-    and ``overflows`` (casts whose amax was inf/nan, since creation). Non-finite
+    cast changed them by more than rounding), ``numel`` (elements of the last cast;
+    both counted only by recipes that can clip, ``clips``: a dynamic cast with a
+    finite amax clips nothing, so its two stay 0) and ``overflows`` (casts whose amax was inf/nan, since creation). Non-finite
     elements become NaN in float8 (e4m3fn has no infinity) so an overflow reaches the
     loss scale's inf/nan check rather than being clipped to a finite value.
 
@@ -68,6 +69,8 @@ class Float8Scaling(nn.Module):
     """
 
     kind: ClassVar[str] = "base"
+    #: Whether a cast can clip finite elements, so that saturation is counted.
+    clips: ClassVar[bool] = True
 
     def __init__(self, fp8_dtype: Any = "e4m3", *, margin: float = 0, power_of_2: bool = False):
         super().__init__()
@@ -128,19 +131,25 @@ class Float8Scaling(nn.Module):
 
     # -- the step -------------------------------------------------------------------
 
-    def _scale_from(self, amax: torch.Tensor) -> torch.Tensor:
-        """This cast's scale given the current amax (state not yet updated)."""
+    def _scale_from(self, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        """This cast's scale given the current amax and whether it is finite (state not
+        yet updated)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _scale_from")
 
     def _record(self, amax: torch.Tensor, finite: torch.Tensor) -> None:
         """Update recipe-specific state after a cast (the history, for delayed)."""
 
-    def _finish(self, basis: torch.Tensor) -> torch.Tensor:
-        # TE's rule: a zero or non-finite basis keeps the previous scale.
-        scale = self.fp8_max / basis / 2.0**self.margin
+    def _finish(self, basis: torch.Tensor, usable: torch.Tensor | None) -> torch.Tensor:
+        """``fp8_max / basis / 2**margin`` (rounded down to a power of two if asked), or the
+        previous scale where it is not usable (TE's rule: a zero or non-finite basis keeps
+        the previous scale). ``usable`` None: usable where the new scale is finite."""
+        scale = self.fp8_max / basis
+        if self.margin:  # skipped at 0: every op here is one more kernel or dispatch
+            scale = scale / 2.0**self.margin
         if self.power_of_2:
             scale = torch.exp2(torch.floor(torch.log2(scale)))
-        usable = torch.isfinite(basis) & (basis > 0) & torch.isfinite(scale)
+        if usable is None:
+            usable = torch.isfinite(scale)
         return torch.where(usable, scale, self.scale)
 
     def cast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,21 +160,27 @@ class Float8Scaling(nn.Module):
         check_instance("x", x, torch.Tensor, "a torch.Tensor")
         if not x.is_floating_point() or x.dtype in FLOAT8_NAMES.values():
             raise TypeError(f"x must be a float32/bfloat16/float16 tensor, got {x.dtype}")
-        x = x.detach()
+        return self._cast(x.detach())
+
+    def _cast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # The float8 layers' hot path (their input was checked once). Written as few ops
+        # as the recipe needs: eagerly each is a dispatch, compiled each scalar result
+        # the state keeps is a store; the amax is the one pass before the cast, and the
+        # cast, its saturation count and the non-finite test are one more, fused.
         amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-        scale = self._scale_from(amax)
+        finite = torch.isfinite(amax)
+        scale = self._scale_from(amax, finite)
         scaled = x.float() * scale
         finite_x = torch.isfinite(x)
         clipped = scaled.clamp(-self.fp8_max, self.fp8_max)
         data = torch.where(finite_x, clipped, math.nan).to(self.fp8_dtype)
-        saturated = (finite_x & (scaled.abs() > self.clip_threshold)).sum()
-        finite = torch.isfinite(amax)
+        if self.clips:  # each buffer written is one more kernel under torch.compile
+            self.saturated.copy_((finite_x & (scaled.abs() > self.clip_threshold)).sum())
+            self.numel.fill_(x.numel())
         self._record(amax, finite)
         self.scale.copy_(scale)
         self.amax.copy_(amax)
-        self.saturated.copy_(saturated)
-        self.numel.fill_(x.numel())
-        self.overflows.add_((~finite).long())
+        self.overflows.add_(~finite)
         return data, scale.reciprocal()
 
     def saturated_fraction(self) -> torch.Tensor:
@@ -185,14 +200,22 @@ class DynamicScaling(Float8Scaling):
     """
 
     kind: ClassVar[str] = "dynamic"
+    # The amax lands at fp8_max / 2**margin: a cast with a finite amax clips nothing
+    # (float rounding of amax * scale stays within half a float8 step), and one with a
+    # non-finite amax is an overflow, counted as such. No saturation pass is needed.
+    clips: ClassVar[bool] = False
 
     def __init__(self, fp8_dtype: Any = "e4m3", *, margin: float = 0, power_of_2: bool = False,
                  eps: float = 1e-12):  # fmt: skip
         super().__init__(fp8_dtype, margin=margin, power_of_2=power_of_2)
         self.eps = check_number("eps", eps, minimum=0, exclusive=True, hint="pass e.g. eps=1e-12")
+        # With eps bounding the basis below, a finite amax gives a finite scale unless
+        # fp8_max / eps overflows float32: then the scale itself must be tested.
+        self._bounded = self.fp8_max / self.eps / 2.0**self.margin < torch.finfo(torch.float32).max
 
-    def _scale_from(self, amax: torch.Tensor) -> torch.Tensor:
-        return self._finish(torch.clamp(amax, min=self.eps))
+    def _scale_from(self, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+        scale = self._finish(torch.clamp(amax, min=self.eps), finite if self._bounded else None)
+        return scale if self._bounded else torch.where(finite, scale, self.scale)
 
 
 class DelayedScaling(Float8Scaling):
@@ -233,11 +256,12 @@ class DelayedScaling(Float8Scaling):
         )
         self.register_buffer("amax_history", torch.zeros(self.history_len))
 
-    def _scale_from(self, amax: torch.Tensor) -> torch.Tensor:
+    def _scale_from(self, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
         history = self.amax_history
         past = history.amax() if self.amax_compute_algo == "max" else history[0]
-        current = torch.where(torch.isfinite(amax), amax, 0.0)
-        return self._finish(torch.where(past > 0, past, current))
+        current = torch.where(finite, amax, 0.0)
+        # The basis is finite and >= 0: the scale is usable where it is finite (basis > 0).
+        return self._finish(torch.where(past > 0, past, current), None)
 
     def _record(self, amax: torch.Tensor, finite: torch.Tensor) -> None:
         newest = torch.where(finite, amax, 0.0).reshape(1)
