@@ -13,6 +13,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     :func:`_collect_only_this_modules_objects`); memory is still freed by reference
     counts at once, only cycles wait longer."""
     gc.set_threshold(10_000, 10, 10)
+    # The tests' tensors are small: a second thread saves little on a quiet machine, and
+    # when anything else runs on the cores, OpenMP's hand-offs make a 10 s training test
+    # take minutes (measured on 2 cores: 117 s with torch's 2 threads, 10 s with one).
+    # Subprocesses the tests start pass ``OMP_NUM_THREADS=1`` or ``--threads 1`` themselves.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,7 +1,8 @@
 """Smoke test of the benchmark suite: it runs end to end and its output is well formed.
 
-``--smoke`` runs every workload at tiny sizes (about half a minute on 2 cores);
-the full ``--quick`` run is marked slow. Only the shape of the output is checked
+``--smoke`` runs every workload at tiny sizes (half a minute on 2 cores with bfloat16
+units, one to two minutes without: bfloat16 is emulated there), so it is marked slow
+with the full ``--quick`` run. Only the shape of the output is checked
 here, never the speed: timings on a shared test machine say nothing.
 """
 
@@ -139,6 +140,7 @@ def _check_document(doc: dict, out: Path, preset: str) -> None:
 MARKER = "<!-- analysis: kept when the report is regenerated -->"
 
 
+@pytest.mark.slow
 def test_smoke_suite_output_is_well_formed(tmp_path):
     # A published report's hand-written analysis survives regeneration; the rest is replaced.
     (tmp_path / "B.md").write_text(

@@ -268,11 +268,8 @@ def test_training_at_the_recommendation_skips_fewer_steps_than_the_default_start
     recommended = fp16_skips(
         constructed(), suggestion.float32_modules, suggestion.kwargs["loss_scale"]
     )
-    print(
-        f"skipped steps in the first 100 (float16 O2): default 2**15 start {default}, "
-        f"recommended {report.recommended_loss_scale:g} start {recommended}"
-    )
-    assert recommended < default
+    # skipped steps in the first 100 (float16 O2), from the default 2**15 start and the report's
+    assert recommended < default, (default, recommended, report.recommended_loss_scale)
     assert report.overflowing(2.0**15)  # the report says why the default start skips
 
 

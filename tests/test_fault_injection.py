@@ -236,9 +236,9 @@ def test_kill_mid_checkpoint_write_and_a_corrupt_newest_checkpoint(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SWEEP_SEEDS)
-def test_fault_injection_sweep(tmp_path, seed):
+def test_fault_injection_sweep(tmp_path, seed, record_property):
     events = scenario(tmp_path, seed)
-    print(f"scenario {seed}: {'; '.join(events)}")
+    record_property("scenario", "; ".join(events))  # in --junitxml's report, not the output
 
 
 if __name__ == "__main__":

@@ -541,7 +541,9 @@ def test_fused_masters_checkpoints_load_into_the_eager_step_and_back(masters_tra
         assert int(clone_opt.iterations) == int(opt.iterations) + 2
 
 
-@pytest.mark.parametrize("mode", MASTER_MODES)
+@pytest.mark.parametrize("mode", [  # split8-8bit compiles for a minute (``masters_trained``)
+    pytest.param(mode, marks=[pytest.mark.slow] if mode == "split8-8bit" else [])
+    for mode in MASTER_MODES])  # fmt: skip
 def test_fused_masters_fold_the_wrappers_weight_decay_into_one_factor(mode):
     """``1 - lr * (a + b)`` where the eager step multiplies ``(1 - lr * a)(1 - lr * b)``:
     the same to within float32 rounding a step."""
@@ -692,7 +694,7 @@ def test_fused_split8_8bit_resumes_bit_exactly_and_its_seed_is_checkpointed():
 
 def test_adamw8bit_steps_fused_only_under_split8_masters():
     """Float32 masters (O2) around AdamW8bit take the eager step even when asked to fuse:
-    the fused 8-bit step is split8's. A loaded state of another size is refused."""
+    the fused 8-bit step is split8's."""
     model = _model()
     opt = _masters_opt(model, True, "split8-8bit")
     assert opt._master._fused_mode == LOW_BITS8_MOMENTS8 and opt._master.fuses()
@@ -702,6 +704,12 @@ def test_adamw8bit_steps_fused_only_under_split8_masters():
     assert not o2._master.fuses()
     assert "split8" in fused_adamw_unsupported(inner, FLOAT32_MASTERS)
     assert fused_adamw_unsupported(torch.optim.AdamW([torch.ones(1)]), LOW_BITS8_MOMENTS8) is not None
+
+
+@pytest.mark.slow  # compiles split8-8bit's fused step (see ``masters_trained``)
+def test_the_fused_8bit_step_refuses_a_loaded_state_of_another_size():
+    model = _model()
+    opt = _masters_opt(model, True, "split8-8bit")
     _train_masters(model, opt, _data(1))
     key = opt._master._low[0][1]
     state = opt.inner_optimizer.state[key]

@@ -110,7 +110,9 @@ def o2_model_and_optimizer():
     return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
 
 
-def test_one_o2_step_the_skip_decision_and_a_resume_run_through_a_handful_of_files():
+def test_one_o2_step_the_skip_decision_and_a_resume_run_through_a_handful_of_files(
+    record_property,
+):
     import torch
 
     from mixprec.amp import initialize
@@ -145,7 +147,7 @@ def test_one_o2_step_the_skip_decision_and_a_resume_run_through_a_handful_of_fil
     for name, files in [("O2 step", step_files), ("skip decision (O2)", skip_files),
                         ("skip decision (no masters)", plain_skip_files),
                         ("optimizer resume", resume_files)]:  # fmt: skip
-        print(f"{name}: {len(files)} files: {', '.join(files)}")
+        record_property(name, ", ".join(files))  # in --junitxml's report
     # (O2's step asks optim/masters/_fused.py whether it is the compiled one)
     assert len(step_files) <= 9, step_files
     # (the scale, the check, the wrapper's pipeline and the mode that steps: _plain.py)

@@ -182,27 +182,19 @@ def regression(dtype: torch.dtype, use_masters: bool, optimizer: str, steps: int
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("dtype", LOW)
-def test_tiny_updates_stall_in_low_precision_and_learn_with_masters(dtype, optimizer, capsys):
+def test_tiny_updates_stall_in_low_precision_and_learn_with_masters(dtype, optimizer):
     w0 = torch.full((8,), 1.5, dtype=dtype)
     w_plain, loss_plain, _ = regression(dtype, use_masters=False, optimizer=optimizer)
     w_master, loss_master, ratios = regression(dtype, use_masters=True, optimizer=optimizer)
     resolution = 2.0**-11 if dtype == torch.float16 else 2.0**-8  # half an ulp, relative
-    with capsys.disabled():
-        print(
-            f"\n[{dtype} {optimizer}] largest update/weight {max(ratios):.2e} "
-            f"(half-ulp {resolution:.2e}); loss without masters {loss_plain[0]:.6f} -> "
-            f"{loss_plain[-1]:.6f}, weights changed: {not torch.equal(w_plain, w0)}; "
-            f"with masters {loss_master[0]:.6f} -> {loss_master[-1]:.6f}, "
-            f"weight moved {float((w_master.float() - 1.5).abs().max()):.2e}"
-        )
     # Every update is below the weights' resolution ...
-    assert max(ratios) < resolution
+    assert max(ratios) < resolution, (max(ratios), resolution)
     # ... so without masters not one bit of the weights changes and the loss is flat,
-    assert torch.equal(w_plain, w0)
-    assert len(set(loss_plain)) == 1
+    assert torch.equal(w_plain, w0), w_plain
+    assert len(set(loss_plain)) == 1, (loss_plain[0], loss_plain[-1])
     # ... while with masters the weights move and the loss goes down.
     assert not torch.equal(w_master, w0)
-    assert loss_master[-1] < loss_master[0] * 0.99
+    assert loss_master[-1] < loss_master[0] * 0.99, (loss_master[0], loss_master[-1])
 
 
 # -- checkpoints -------------------------------------------------------------------------
@@ -321,7 +313,7 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def test_memory_of_parameters_and_adam_state_with_and_without_masters(capsys):
+def test_memory_of_parameters_and_adam_state_with_and_without_masters():
     n_in = 3162
     numel = n_in * n_in + n_in  # weight + bias: 10,001,406 parameters
     step_bytes = 2 * 4  # Adam keeps one float32 scalar "step" per parameter tensor
@@ -347,14 +339,7 @@ def test_memory_of_parameters_and_adam_state_with_and_without_masters(capsys):
         state_bytes = nbytes(v for s in opt.state.values() for v in s.values())
         results[name] = (param_bytes, master_bytes, state_bytes)
         del model, opt
-    with capsys.disabled():
-        print(f"\nLinear({n_in}, {n_in}): {numel:,} parameters, Adam, one step")
-        for name, (pb, mb, sb) in results.items():
-            total = pb + mb + sb
-            print(
-                f"  {name:28s} params {pb:>12,d} B  masters {mb:>12,d} B  "
-                f"Adam state {sb:>12,d} B  total {total:>12,d} B ({total / numel:.2f} B/param)"
-            )
+    # bytes of (parameters, master weights, Adam's state) after one step
     assert results["fp32 params"] == (4 * numel, 0, 8 * numel + step_bytes)
     assert results["bf16 params + fp32 masters"] == (2 * numel, 4 * numel, 8 * numel + step_bytes)
     assert sum(results["fp32 params"]) == 120_016_880
