@@ -115,6 +115,7 @@ def test_train_master_weights_none_is_stepped_as_it_is(tmp_path):
     assert checkpoint["optimizer"]["mixprec"]["master"] is None
 
 
+@pytest.mark.slow  # a compare run per entry; test_cli covers compare by default
 def test_compare_entries_carry_a_mode(tmp_path, capsys):
     """``O2+split8`` beside ``O2``: rows keep the entry as written, the config names the
     mode; split8 steps as float32 masters do, so the two end close."""
@@ -172,6 +173,7 @@ def test_float16_optimizer_state_gets_an_eps_it_can_hold(options, eps, tmp_path,
     assert [group["eps"] for group in saved["optimizer"]["param_groups"]] == [eps]
 
 
+@pytest.mark.slow  # a compare run per entry; test_cli covers compare by default
 def test_compare_names_the_rows_that_train_with_the_float16_state_eps(tmp_path):
     """A ``mixprec compare`` row whose level took eps=1e-4 says so, so the table does not
     credit the level with what the other eps did."""

@@ -62,6 +62,7 @@ def test_adamw8bit_trains_at_other_levels(level, tmp_path):
     assert json.loads((out / "metrics.json").read_text())["test_accuracy"] > 0.75
 
 
+@pytest.mark.slow  # a compare run per entry; test_cli covers compare by default
 def test_compare_takes_adamw8bit_per_entry(tmp_path):
     out = tmp_path / "cmp"
     argv = ["compare", "--levels", "O2+split8,O2+split8+adamw8bit", *TINY, "--epochs", "2",

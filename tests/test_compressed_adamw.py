@@ -400,7 +400,7 @@ def assert_matches_reference(params, opt, ref_params, ref_opt, lr, steps):
 
 
 @needs_compile
-@pytest.mark.parametrize("chunk_size", [1 << 22, 512])  # one chunk; several, of one tensor
+@pytest.mark.parametrize("chunk_size", [pytest.param(1 << 22, marks=pytest.mark.slow), 512])  # one chunk (its compile takes ~25 s: slow); several, of one tensor
 def test_fused_step_matches_the_eager_reference(chunk_size, one_thread):
     from torch._dynamo.utils import counters
 
