@@ -9,6 +9,9 @@ figure                      how it is measured
 ``kernels``                 ``torch._inductor.metrics.generated_kernel_count`` after one
                             ``torch.compile``\\ d forward and backward (Dynamo reset, inductor's
                             FX-graph and AOT caches off, so every kernel is generated anew)
+``kernels_per_layer``       ``kernels`` beyond the float32 model's, per float8 layer: what one
+                            layer's float8 work costs, comparable where the libraries convert
+                            different layers (GPT-2)
 ``graph_breaks``            Dynamo's graph-break counter over those steps
 ``recompiles``              graphs compiled after the first step, over five steps
 ``eager_ops``               aten ops of one eager forward and backward (a ``TorchDispatchMode``)
@@ -245,6 +248,9 @@ def run(models: list[str], recipes: list[str], steps: int, compiled: bool = True
                 row = measure(model_name, library, recipe, steps, compiled)
                 if "loss" in row:
                     row["vs_fp32"] = row["loss"] - fp32["loss"]
+                if "kernels" in row and "kernels" in fp32 and row["float8_layers"]:
+                    extra = row["kernels"] - fp32["kernels"]
+                    row["kernels_per_layer"] = round(extra / row["float8_layers"], 1)
                 pair[library] = row
             if "loss" in pair.get("torchao", {}) and "loss" in pair["mixprec"]:
                 pair["mixprec"]["vs_torchao"] = pair["mixprec"]["loss"] - pair["torchao"]["loss"]
@@ -260,8 +266,8 @@ def run(models: list[str], recipes: list[str], steps: int, compiled: bool = True
 
 
 def _line(row: dict[str, Any]) -> str:
-    keys = ("float8_layers", "kernels", "graph_breaks", "recompiles", "eager_ops", "loss",
-            "seconds", "missing")  # fmt: skip
+    keys = ("float8_layers", "kernels", "kernels_per_layer", "graph_breaks", "recompiles",
+            "eager_ops", "loss", "seconds", "missing")  # fmt: skip
     shown = " ".join(f"{k}={row[k]}" for k in keys if k in row)
     return f"{row['model']:6} {row['recipe']:18} {row['library']:8} {shown}"
 
@@ -273,14 +279,14 @@ def _cell(row: dict[str, Any], key: str, fmt: str = "{}") -> str:
 def render(doc: dict[str, Any]) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| model | recipe | library | float8 layers | kernels | graph breaks | recompiles "
-        "| eager aten ops | loss | vs float32 | vs torchao |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | recipe | library | float8 layers | kernels | kernels per float8 layer "
+        "| graph breaks | recompiles | eager aten ops | loss | vs float32 | vs torchao |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in doc["rows"]:
         if "missing" in row:
             lines.append(f"| {row['model']} | {row['recipe']} | {row['library']} | "
-                         f"not in this version: {row['missing']} ||||||||")  # fmt: skip
+                         f"not in this version: {row['missing']} |||||||||")  # fmt: skip
             continue
         layers = str(row["float8_layers"])
         if row["model"] == "gpt2" and row["library"] == "torchao":
@@ -289,7 +295,8 @@ def render(doc: dict[str, Any]) -> str:
             layers += " (Conv1D too)"
         lines.append(
             f"| {row['model']} | {row['recipe']} | {row['library']} | {layers} | "
-            f"{_cell(row, 'kernels')} | {_cell(row, 'graph_breaks')} | "
+            f"{_cell(row, 'kernels')} | {_cell(row, 'kernels_per_layer')} | "
+            f"{_cell(row, 'graph_breaks')} | "
             f"{_cell(row, 'recompiles')} | {row['eager_ops']} | {row['loss']:.4f} | "
             f"{_cell(row, 'vs_fp32', '{:+.4f}')} | {_cell(row, 'vs_torchao', '{:+.4f}')} |"
         )

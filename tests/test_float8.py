@@ -293,6 +293,60 @@ def test_state_dict_round_trip_resumes_bit_exactly():
         assert torch.equal(value, resumed.state_dict()[key]), key
 
 
+def test_checkpoint_layout_is_one_entry_per_value_and_such_a_checkpoint_resumes():
+    # The state is one packed vector inside; checkpoints keep one entry per value, with
+    # the dtypes and shapes a checkpoint of separate buffers has, in both directions.
+    scaling = DelayedScaling("e4m3", history_len=3)
+    for values in ([1.0, 2.0], [4.0, math.inf], [300.0, 0.5]):
+        scaling.cast(torch.tensor(values))
+    saved = scaling.state_dict()
+    layout = {k: (v.dtype, tuple(v.shape)) for k, v in saved.items()}
+    assert layout == {"scale": (torch.float32, ()), "amax": (torch.float32, ()),
+                      "saturated": (torch.int64, ()), "numel": (torch.int64, ()),
+                      "overflows": (torch.int64, ()), "amax_history": (torch.float32, (3,))}  # fmt: skip
+    assert saved["overflows"].item() == 1 and saved["numel"].item() == 2
+    assert saved["amax_history"].tolist() == [300.0, 0.0, 2.0] and saved["saturated"].item() == 1
+    # A hand-written checkpoint in that layout: counts past float32's 2**24 stay exact.
+    written = {"scale": torch.tensor(0.5), "amax": torch.tensor(3.0),
+               "saturated": torch.tensor(2**40 + 3), "numel": torch.tensor(2**41 + 5),
+               "overflows": torch.tensor(7), "amax_history": torch.tensor([3.0, 1.0, 2.0])}  # fmt: skip
+    resumed = DelayedScaling("e4m3", history_len=3)
+    resumed.load_state_dict(written)
+    for key, value in resumed.state_dict().items():
+        assert torch.equal(value, written[key]), key
+    assert float(resumed.saturated_fraction()) == pytest.approx(2**40 / 2**41)
+    # The next cast continues from it as from the live state: the scale from max(history).
+    resumed.cast(torch.tensor([1.0]))
+    assert torch.equal(resumed.scale, 448.0 / torch.tensor(3.0)) and int(resumed.overflows) == 7
+    # A damaged checkpoint is refused by key and leaves the state as it was.
+    fresh = DelayedScaling("e4m3", history_len=4)
+    before = fresh.state.clone()
+    with pytest.raises(RuntimeError, match=r"size mismatch for amax_history.*\[3\].*\[4\]"):
+        fresh.load_state_dict(written)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "amax"'):
+        DelayedScaling("e4m3", history_len=3).load_state_dict(
+            {k: v for k, v in written.items() if k != "amax"}
+        )
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "state"'):
+        DynamicScaling().load_state_dict({**DynamicScaling().state_dict(), "state": before})
+    assert torch.equal(fresh.state, before)
+
+
+def test_a_model_wide_low_precision_cast_leaves_the_scaling_state_float32():
+    # model.half() or a level storing floating buffers in bfloat16 must not round the
+    # recorded amaxes, the history or the counts: the state is not a floating buffer.
+    model = nn.Sequential(nn.Linear(16, 16))
+    convert_to_float8(model, "delayed", history_len=2)
+    model(torch.randn(4, 16) * 1.001).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items() if "scaling" in k}
+    model.bfloat16()
+    assert model[0].weight.dtype == torch.bfloat16
+    scaling = model[0].input_scaling
+    assert scaling.state.dtype == torch.float32 and scaling.amax_history.dtype == torch.float32
+    for key, value in before.items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
 # -- convert_to_float8 ---------------------------------------------------------------------
 
 
@@ -371,8 +425,8 @@ def test_an_optimizer_built_before_conversion_trains_the_float8_model():
 
 
 @pytest.mark.parametrize("bad,error,match", [
-    ({"recipe": "static"}, ValueError, "recipe must be one of 'dynamic', 'delayed', got 'static'"),
-    ({"recipe": 3}, TypeError, "recipe must be 'dynamic', 'delayed' or a Float8Scaling, got int 3"),
+    ({"recipe": "static"}, ValueError, "recipe must be one of 'dynamic', 'delayed', 'rowwise', 'rowwise_with_gw_hp', got 'static'"),
+    ({"recipe": 3}, TypeError, "recipe must be one of 'dynamic', .* or a Float8Scaling, got int 3"),
     ({"history_len": 0}, ValueError, "history_len must be an integer >= 1, got 0"),
     ({"recipe": "dynamic", "history_len": 8}, ValueError, "history_len is not an option"),
     ({"module_filter": 3}, TypeError, "module_filter must be None, an fnmatch pattern"),

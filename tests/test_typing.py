@@ -55,7 +55,8 @@ def test_the_aliases_name_what_the_run_time_checks_accept():
     with pytest.raises(ValueError, match="fp8 must be one of ") as refused:
         amp.initialize(nn.Linear(1, 1), level="O0", fp8="bogus")
     recipes = re.findall(r"'(\w+)'", str(refused.value).split(", got ")[0])
-    assert literals(mt.Float8Recipe) == set(recipes) == {"dynamic", "delayed"}
+    float8_recipes = {"dynamic", "delayed", "rowwise", "rowwise_with_gw_hp"}
+    assert literals(mt.Float8Recipe) == set(recipes) == float8_recipes
     assert literals(mt.LossScaleSpec) == {"dynamic", "none"}
 
 

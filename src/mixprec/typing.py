@@ -23,7 +23,7 @@ that a type checker rejects a misspelt option before the code runs::
   ``True``/``"fp32"`` (float32 masters), ``"split"``, ``"split8"``, ``"kahan"``, ``"stochastic"``,
   or ``False`` (the parameters themselves).
 * :data:`Float8Recipe` - ``fp8=`` of ``amp.initialize``: ``True``/``"dynamic"``,
-  ``"delayed"``, or ``False``/``None`` (no float8).
+  ``"delayed"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``, or ``False``/``None`` (no float8).
 
 ``import mixprec.typing`` imports neither torch nor the rest of mixprec: ``torch.dtype``
 and ``LossScale`` appear in the aliases as forward references (strings), which type
@@ -85,4 +85,6 @@ MasterWeightsMode: TypeAlias = Literal["fp32", "split", "split8", "kahan", "stoc
 MasterWeights: TypeAlias = bool | MasterWeightsMode
 
 #: A float8 recipe (``mixprec.amp._initialize.check_fp8``; ``True`` is ``"dynamic"``).
-Float8Recipe: TypeAlias = bool | Literal["dynamic", "delayed"] | None
+Float8Recipe: TypeAlias = (
+    bool | Literal["dynamic", "delayed", "rowwise", "rowwise_with_gw_hp"] | None
+)

@@ -131,7 +131,9 @@ def initialize(
         fp8: run the model's eligible ``nn.Linear`` layers in float8 (forward and both
             backward matmuls, :mod:`mixprec.float8`) at any level: ``True`` or
             ``"dynamic"`` (per-tensor scales from the current amax), ``"delayed"``
-            (from an amax history, as Transformer Engine), ``False`` (default). The
+            (from an amax history, as Transformer Engine), ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"`` (a scale per row, as torchao's recipes of those
+            names), ``False`` (default). The
             layers are swapped in place, keeping their Parameters; which ran in float8
             and why the others did not goes to the ``mixprec.amp`` logger
             (:func:`mixprec.float8.convert_to_float8` gives the same report). A model
@@ -306,11 +308,11 @@ def _cpu_autocast_runs_lstm(dtype: torch.dtype) -> bool:
     return True
 
 
-def check_fp8(fp8: Any) -> Literal["dynamic", "delayed"] | None:
+def check_fp8(fp8: Any) -> Literal["dynamic", "delayed", "rowwise", "rowwise_with_gw_hp"] | None:
     """The float8 recipe ``fp8`` asks for (``True`` is ``"dynamic"``), or ``None`` for none.
 
-    >>> check_fp8(True), check_fp8("delayed"), check_fp8(False)
-    ('dynamic', 'delayed', None)
+    >>> check_fp8(True), check_fp8("delayed"), check_fp8("rowwise"), check_fp8(False)
+    ('dynamic', 'delayed', 'rowwise', None)
     """
     if fp8 is False or fp8 is None:
         return None

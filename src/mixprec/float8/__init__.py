@@ -4,8 +4,10 @@ The parts: :mod:`~mixprec.float8._scaling` (the scaling recipes, state machines 
 buffers), :mod:`~mixprec.float8._linear` (:class:`Float8Linear`, and
 :class:`Float8Conv1D` for Hugging Face's ``Conv1D``), :mod:`~mixprec.float8._convert`
 (:func:`convert_to_float8` and its report, :func:`convert_from_float8` back to the plain
-architecture) and :mod:`~mixprec.float8._stats` (per-layer amax and saturation). Activations and
-weights are cast to float8_e4m3fn, output gradients to float8_e5m2; all three
+architecture), :mod:`~mixprec.float8._rowwise` (the rowwise recipes: a scale per row of
+each matmul operand) and :mod:`~mixprec.float8._stats` (per-layer amax and saturation).
+Activations and weights are cast to float8_e4m3fn, output gradients to float8_e5m2
+(e4m3 too with the rowwise recipes); all three
 matmuls of a linear layer run through :func:`scaled_mm`: ``torch._scaled_mm`` where the
 device has a float8 kernel (:func:`native_scaled_mm`), else its float32 emulation.
 
@@ -28,8 +30,14 @@ from mixprec.float8._convert import (
     convert_from_float8,
     convert_to_float8,
 )
+from mixprec.float8._fsdp import (
+    Float8AllGatherWeight,
+    Float8GatheredWeight,
+    enable_fsdp_float8_all_gather,
+)
 from mixprec.float8._linear import Float8Conv1D, Float8Layer, Float8Linear
 from mixprec.float8._matmul import native_scaled_mm, scaled_mm
+from mixprec.float8._rowwise import RowwiseScaling, RowwiseWithGwHpScaling
 from mixprec.float8._scaling import (
     DelayedScaling,
     DynamicScaling,
@@ -47,9 +55,14 @@ __all__ = [
     "Float8Layer",
     "Float8Linear",
     "Float8Conv1D",
+    "enable_fsdp_float8_all_gather",
+    "Float8AllGatherWeight",
+    "Float8GatheredWeight",
     "Float8Scaling",
     "DynamicScaling",
     "DelayedScaling",
+    "RowwiseScaling",
+    "RowwiseWithGwHpScaling",
     "make_scaling",
     "as_float8_dtype",
     "float8_stats",

@@ -38,7 +38,8 @@ from typing import Any
 from torch import nn
 from torch.nn.utils import parametrize
 
-from mixprec._checks import check_instance
+from mixprec._checks import check_bool, check_instance
+from mixprec.float8._fsdp import check_float8_all_gather, enable_fsdp_float8_all_gather
 from mixprec.float8._linear import (
     ALIGNMENT,
     Float8Conv1D,
@@ -187,6 +188,7 @@ def convert_to_float8(
     *,
     module_filter: ModuleFilter = None,
     output_dtype: Any = None,
+    fsdp_float8_all_gather: bool = False,
     **scaling_options: Any,
 ) -> Float8Report:
     """Swap ``model``'s eligible matmul layers for float8 layers, in place.
@@ -196,13 +198,17 @@ def convert_to_float8(
 
     Args:
         model: the model; changed in place, and only if every argument is valid.
-        recipe: ``"dynamic"``, ``"delayed"`` or a :class:`Float8Scaling` to copy.
+        recipe: ``"dynamic"``, ``"delayed"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``
+            (:class:`~mixprec.float8.RowwiseScaling`) or a :class:`Float8Scaling` to copy.
         module_filter: which layers to convert, by qualified name: an fnmatch pattern,
             a list of patterns, or a callable ``(name, module) -> bool``; ``None``: all.
         output_dtype: forwarded to the float8 layers.
+        fsdp_float8_all_gather: make FSDP2 all-gather the float8 layers' weights in
+            float8 (:func:`enable_fsdp_float8_all_gather`; ``recipe="dynamic"`` only).
         **scaling_options: the recipe's options: ``history_len`` (16) and
-            ``amax_compute_algo`` (``"max"``) for delayed, ``eps`` for dynamic,
-            ``margin`` and ``power_of_2`` for both.
+            ``amax_compute_algo`` (``"max"``) for delayed, ``eps`` for dynamic and
+            the rowwise recipes, ``margin`` and ``power_of_2`` for all (the rowwise
+            recipes round scales to powers of two unless ``power_of_2=False``).
 
     Returns:
         A :class:`Float8Report` naming each matmul layer and why it was not converted.
@@ -214,6 +220,8 @@ def convert_to_float8(
     Float8Linear(ALIGNMENT, ALIGNMENT, device="meta", recipe=recipe, output_dtype=output_dtype,
                  **scaling_options)  # fmt: skip
     accept = _as_predicate(module_filter)
+    if check_bool("fsdp_float8_all_gather", fsdp_float8_all_gather):
+        check_float8_all_gather(model, template)
 
     parents: dict[int, nn.Module] = {}
     for parent in model.modules():
@@ -238,6 +246,8 @@ def convert_to_float8(
         else:
             swaps[id(module)] = Float8Conv1D.from_conv1d(module, **options)
     _swap(model, swaps)
+    if fsdp_float8_all_gather:
+        enable_fsdp_float8_all_gather(model)
     return Float8Report(template.kind, tuple(decisions))
 
 

@@ -39,7 +39,9 @@ import torch
 from torch import nn
 
 from mixprec._checks import as_dtype
+from mixprec.float8._fsdp import Float8GatheredWeight
 from mixprec.float8._matmul import scaled_mm
+from mixprec.float8._rowwise import RowwiseScaling, rowwise_matmul
 from mixprec.float8._scaling import Float8Scaling, make_scaling
 
 #: Output dtypes ``torch._scaled_mm`` can write.
@@ -121,8 +123,12 @@ def _check_output_dtype(output_dtype: Any) -> torch.dtype | None:
 
 
 def _make_scalings(recipe: Any, options: dict[str, Any], device: Any) -> list[Float8Scaling]:
-    dtypes = ("e4m3", "e4m3", "e5m2")
-    return [make_scaling(recipe, d, **options).to(device) for d in dtypes]
+    scalings = [make_scaling(recipe, "e4m3", **options) for _ in range(2)]
+    # The rowwise recipes cast the gradient to e4m3 too (torchao's choice): a scale per
+    # row fits each row's range, so e5m2's wider exponent is not needed there.
+    grad_dtype = "e4m3" if isinstance(scalings[0], RowwiseScaling) else "e5m2"
+    scalings.append(make_scaling(recipe, grad_dtype, **options))
+    return [scaling.to(device) for scaling in scalings]
 
 
 def conv1d_class() -> type[nn.Module] | None:
@@ -226,7 +232,7 @@ class Float8Layer(nn.Module):
 
     @property
     def recipe(self) -> str:
-        """The scaling recipe's name (``"dynamic"`` or ``"delayed"``)."""
+        """The scaling recipe's name (``"dynamic"``, ``"delayed"``, ``"rowwise"``, ...)."""
         return self.input_scaling.kind
 
     def weight_out_in(self) -> torch.Tensor:
@@ -255,10 +261,17 @@ class Float8Layer(nn.Module):
         out_dtype = self._output_dtype(x)
         rows = x.reshape(-1, in_features)
         weight = self.weight_out_in()
-        x8, x_inv = self.input_scaling._cast(rows.detach())
-        w8, w_inv = self.weight_scaling._cast(weight.detach())
-        y = _Float8Matmul.apply(rows, weight, x8, x_inv, w8, w_inv, self.grad_scaling,
-                                out_dtype)  # fmt: skip
+        if isinstance(self.input_scaling, RowwiseScaling):  # a scale per row: _rowwise.py
+            y = rowwise_matmul(rows, weight, self.input_scaling, self.weight_scaling,
+                               self.grad_scaling, out_dtype)  # fmt: skip
+        else:
+            x8, x_inv = self.input_scaling._cast(rows.detach())
+            if isinstance(weight, Float8GatheredWeight):  # FSDP2 gathered it in float8
+                w8, w_inv = weight.float8_parts()
+            else:
+                w8, w_inv = self.weight_scaling._cast(weight.detach())
+            y = _Float8Matmul.apply(rows, weight, x8, x_inv, w8, w_inv, self.grad_scaling,
+                                    out_dtype)  # fmt: skip
         y = y.reshape(*x.shape[:-1], out_features)
         bias = cast("torch.Tensor | None", self.bias)
         if bias is not None:
@@ -293,7 +306,8 @@ class Float8Linear(Float8Layer, nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
-        recipe: ``"dynamic"``, ``"delayed"`` or a :class:`Float8Scaling` to copy.
+        recipe: ``"dynamic"``, ``"delayed"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``
+            (:mod:`~mixprec.float8._rowwise`) or a :class:`Float8Scaling` to copy.
         output_dtype: the dtype of ``y`` (float32, bfloat16 or float16, or a name such as
             ``'bf16'``), or ``None``.
         **scaling_options: the recipe's options (``history_len``, ``margin``, ...).

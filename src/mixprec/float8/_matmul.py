@@ -80,6 +80,11 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``(a @ b) * scale_a * scale_b`` in ``out_dtype``, from float8 ``a`` and ``b``.
 
+    Each scale is one value (per tensor) or one per row: ``scale_a`` ``(M, 1)`` for the
+    rows of ``a`` and ``scale_b`` ``(1, N)`` for the columns of ``b`` (rowwise scaling,
+    :class:`~mixprec.float8.RowwiseScaling`); a single value beside a per-row one is
+    broadcast.
+
     ``torch._scaled_mm`` where :func:`native_scaled_mm` says the device has it (then ``b``
     must be column-major, as that kernel wants), else a float32 emulation from the same
     float8 inputs: every product of two float8 values is exact in float32, so the two
@@ -90,7 +95,15 @@ def scaled_mm(
     >>> b = torch.tensor([[3.0, 1.0], [0.5, 4.0]]).to(torch.float8_e4m3fn).t().contiguous().t()
     >>> scaled_mm(a, b, torch.tensor(1.0), torch.tensor(2.0), torch.float32)
     tensor([[ 8., 18.]])
+    >>> scaled_mm(a, b, torch.tensor([[1.0]]), torch.tensor([[2.0, 0.5]]), torch.float32)
+    tensor([[8.0000, 4.5000]])
     """
     if native_scaled_mm(a.device.type):
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            # Rowwise mode takes a (M, 1) and a (1, N) scale, both with unit strides (a
+            # transposed (1, M) is not: flatten rewrites its strides); a single scale
+            # beside per-row ones is spread over its rows (columns).
+            scale_a = scale_a.flatten().unsqueeze(1).expand(a.shape[0], 1).contiguous()
+            scale_b = scale_b.flatten().unsqueeze(0).expand(1, b.shape[1]).contiguous()
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     return (a.float() @ b.float() * (scale_a * scale_b)).to(out_dtype)

@@ -41,6 +41,21 @@ from mixprec._checks import (
     check_number,
 )
 
+# The slots of a scaling's ``state`` vector. Counts take two slots, high and low, each
+# an integer below float32's 2**24 (the largest run of exactly representable integers).
+_SCALE, _INV_SCALE, _AMAX, _SATURATED, _NUMEL, _OVERFLOWS = 0, 1, 2, 3, 5, 7
+_SLOTS = 8  # recipe state (the delayed history) follows
+_COUNT_BASE = 2**24
+
+
+def _count_slots(count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A count (int64, >= 0) as its two slots ``(count // 2**24, count % 2**24)``."""
+    return torch.div(count, _COUNT_BASE, rounding_mode="floor"), count % _COUNT_BASE
+
+
+def _read_count(state: torch.Tensor, slot: int) -> torch.Tensor:
+    return state[slot].long() * _COUNT_BASE + state[slot + 1].long()
+
 
 class Float8Scaling(nn.Module):
     """The interface of a per-tensor float8 scaling; subclasses pick the scale.
@@ -53,14 +68,25 @@ class Float8Scaling(nn.Module):
         record amax, saturated, numel; overflows += amax is not finite
         return data, 1 / scale
 
-    Buffers: ``scale`` (the last cast's scale), ``amax`` (the last amax seen, as
-    seen: it may be inf/nan), ``saturated`` (elements of the last cast that were
-    clipped: more than half a float8 step beyond ``fp8_max`` after scaling, so the
-    cast changed them by more than rounding), ``numel`` (elements of the last cast;
-    both counted only by recipes that can clip, ``clips``: a dynamic cast with a
-    finite amax clips nothing, so its two stay 0) and ``overflows`` (casts whose amax was inf/nan, since creation). Non-finite
-    elements become NaN in float8 (e4m3fn has no infinity) so an overflow reaches the
-    loss scale's inf/nan check rather than being clipped to a finite value.
+    State, read through properties: ``scale`` (the last cast's scale), ``amax`` (the
+    last amax seen, as seen: it may be inf/nan), ``saturated`` (elements of the last
+    cast that were clipped: more than half a float8 step beyond ``fp8_max`` after
+    scaling, so the cast changed them by more than rounding), ``numel`` (elements of
+    the last cast; both counted only by recipes that can clip, ``clips``: a dynamic
+    cast with a finite amax clips nothing, so its two stay 0) and ``overflows`` (casts
+    whose amax was inf/nan, since creation). Non-finite elements become NaN in float8
+    (e4m3fn has no infinity) so an overflow reaches the loss scale's inf/nan check
+    rather than being clipped to a finite value.
+
+    All of it lives in one float32 buffer, ``state``, rewritten once per cast: under
+    ``torch.compile`` every buffer a step writes is a kernel of its own, so one vector
+    costs no kernel beyond the cast's own (its update is fused with the inverse scale
+    the matmul reads). ``scale``, ``amax`` and ``overflows`` are views of it (float32;
+    ``overflows`` counts exactly up to 2**24); ``saturated`` and ``numel`` are int64
+    values kept exactly in two slots each. ``state_dict`` holds one entry per value
+    (``scale``, ``amax``, ``saturated``, ``numel``, ``overflows``, and the delayed
+    ``amax_history``; float32 and int64), not the vector, so checkpoints do not depend
+    on the packing.
 
     Args:
         fp8_dtype: ``"e4m3"`` (3 mantissa bits, max 448) or ``"e5m2"`` (max 57344).
@@ -81,10 +107,53 @@ class Float8Scaling(nn.Module):
         self.fp8_max = float(info.max)
         # Half a float8 step above the max still rounds to the max: not clipped.
         self.clip_threshold = self.fp8_max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2
-        for name, dtype, value in (("scale", torch.float32, 1.0), ("amax", torch.float32, 0.0),
-                                   ("saturated", torch.int64, 0), ("numel", torch.int64, 0),
-                                   ("overflows", torch.int64, 0)):  # fmt: skip
-            self.register_buffer(name, torch.tensor(value, dtype=dtype))
+        state = torch.zeros(_SLOTS)
+        state[_SCALE] = state[_INV_SCALE] = 1.0
+        # Kept as the float32 values' bits in an int32 buffer: a model-wide cast to a low
+        # precision (``model.half()``, a level storing parameters and floating buffers in
+        # bfloat16) leaves integer buffers alone, and counts and histories must not be
+        # rounded. Not saved as such: ``state_dict`` holds one entry per value.
+        self.register_buffer("_state_bits", state.view(torch.int32), persistent=False)
+        self._register_slots()
+
+    def _register_slots(self) -> None:
+        # Each slot's index, for the compiled update's masks. A buffer of this module rather
+        # than an arange in the graph: identical aranges of the forward's and the
+        # backward's casts would be merged and their masks saved from the forward, each
+        # one more kernel there.
+        self.register_buffer("_slot", torch.arange(self.state.shape[0]), persistent=False)
+
+    # -- the state, slot by slot ----------------------------------------------------
+
+    @property
+    def state(self) -> torch.Tensor:
+        """Every value the scaling keeps, as one float32 vector (a view of its buffer)."""
+        return self._state_bits.view(torch.float32)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The last cast's scale (a float32 view of ``state``)."""
+        return self.state[_SCALE]
+
+    @property
+    def amax(self) -> torch.Tensor:
+        """The last cast's amax, as seen: inf/nan if it overflowed (a float32 view)."""
+        return self.state[_AMAX]
+
+    @property
+    def overflows(self) -> torch.Tensor:
+        """Casts whose amax was inf/nan, since creation (a float32 view, exact to 2**24)."""
+        return self.state[_OVERFLOWS]
+
+    @property
+    def saturated(self) -> torch.Tensor:
+        """Elements the last cast clipped (int64; counted only where ``clips``)."""
+        return _read_count(self.state, _SATURATED)
+
+    @property
+    def numel(self) -> torch.Tensor:
+        """Elements of the last cast (int64; counted only where ``clips``)."""
+        return _read_count(self.state, _NUMEL)
 
     # -- hyperparameters ------------------------------------------------------------
 
@@ -126,31 +195,90 @@ class Float8Scaling(nn.Module):
         # float8 checkpoint, and stays an error.
         if not any(key.startswith(prefix) for key in state_dict):
             return
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                      missing_keys, unexpected_keys, error_msgs)  # fmt: skip
+        entries = self._checkpoint_entries()
+        given, failed = {}, False
+        for name, current in entries.items():
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                failed |= strict
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor) or value.shape != current.shape:
+                shape = value.shape if isinstance(value, torch.Tensor) else type(value).__name__
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {shape} from "
+                    f"checkpoint, the shape in current model is {current.shape}."
+                )
+                failed = True
+                continue
+            given[name] = value
+        if strict:
+            unexpected_keys.extend(
+                key for key in state_dict
+                if key.startswith(prefix) and key[len(prefix):] not in entries
+            )  # fmt: skip
+        if not failed:  # a load that fails changes nothing of this scaling
+            with torch.no_grad():
+                self.state.copy_(self._state_with(given))
+
+    # -- the checkpoint layout: one entry per value -------------------------------------
+
+    def _checkpoint_entries(self) -> dict[str, torch.Tensor]:
+        """The state as ``state_dict`` holds it: the layout of one buffer per value
+        (``scale``, ``amax``, ``saturated``, ``numel``, ``overflows``; float32 and int64),
+        copies taken now. The packed ``state`` buffer is not saved itself, so checkpoints
+        keep this layout whatever the packing."""
+        state = self.state.detach()
+        return {"scale": state[_SCALE].clone(), "amax": state[_AMAX].clone(),
+                "saturated": _read_count(state, _SATURATED),
+                "numel": _read_count(state, _NUMEL), "overflows": state[_OVERFLOWS].long()}  # fmt: skip
+
+    def _state_with(self, entries: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``state`` with the checkpoint ``entries`` given (shapes checked) written in."""
+        state = self.state.detach().clone()
+        if "scale" in entries:  # the inverse is kept beside it, as a cast leaves it
+            scale = entries["scale"].to(state)
+            state[_SCALE], state[_INV_SCALE] = scale, scale.reciprocal()
+        for name, slot in (("amax", _AMAX), ("overflows", _OVERFLOWS)):
+            if name in entries:
+                state[slot] = entries[name].to(state)
+        for name, slot in (("saturated", _SATURATED), ("numel", _NUMEL)):
+            if name in entries:
+                state[slot], state[slot + 1] = _count_slots(entries[name].to(state.device).long())
+        return state
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name, value in self._checkpoint_entries().items():
+            destination[prefix + name] = value
 
     # -- the step -------------------------------------------------------------------
 
-    def _scale_from(self, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-        """This cast's scale given the current amax and whether it is finite (state not
-        yet updated)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _scale_from")
+    def _candidate(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """``(scale, usable)``: this cast's new scale given the current amax and whether it
+        is finite (``state`` not yet updated), and whether it replaces the previous one."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _candidate")
 
-    def _record(self, amax: torch.Tensor, finite: torch.Tensor) -> None:
-        """Update recipe-specific state after a cast (the history, for delayed)."""
+    def _record(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) -> None:
+        """Update recipe-specific state in place after an eager cast (the delayed history)."""
 
-    def _finish(self, basis: torch.Tensor, usable: torch.Tensor | None) -> torch.Tensor:
-        """``fp8_max / basis / 2**margin`` (rounded down to a power of two if asked), or the
-        previous scale where it is not usable (TE's rule: a zero or non-finite basis keeps
-        the previous scale). ``usable`` None: usable where the new scale is finite."""
+    def _record_packed(self, state: torch.Tensor, new: torch.Tensor, amax: torch.Tensor,
+                       finite: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """:meth:`_record` under ``torch.compile``: ``new`` (the next ``state``) with the
+        recipe's slots updated, elementwise (``self._slot`` holds each slot's index)."""
+        return new
+
+    def _finish(self, basis: torch.Tensor) -> torch.Tensor:
+        """``fp8_max / basis / 2**margin``, rounded down to a power of two if asked (a
+        zero or non-finite basis gives an unusable scale: TE's rule keeps the previous)."""
         scale = self.fp8_max / basis
         if self.margin:  # skipped at 0: every op here is one more kernel or dispatch
             scale = scale / 2.0**self.margin
         if self.power_of_2:
             scale = torch.exp2(torch.floor(torch.log2(scale)))
-        if usable is None:
-            usable = torch.isfinite(scale)
-        return torch.where(usable, scale, self.scale)
+        return scale
 
     def cast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(data, inv_scale)``: ``x * scale`` in float8 and ``1 / scale`` (float32).
@@ -164,28 +292,70 @@ class Float8Scaling(nn.Module):
 
     def _cast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The float8 layers' hot path (their input was checked once). Written as few ops
-        # as the recipe needs: eagerly each is a dispatch, compiled each scalar result
-        # the state keeps is a store; the amax is the one pass before the cast, and the
-        # cast, its saturation count and the non-finite test are one more, fused.
+        # as the recipe needs: eagerly each is a dispatch; compiled, the amax is the one
+        # pass before the cast, the cast and the non-finite test are one more, and the
+        # state's update (with the inverse scale) a third (_write_state).
         amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+        return self._cast_with_amax(x, amax)
+
+    def _cast_with_amax(self, x: torch.Tensor, amax: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        # ``amax`` is that of ``x``, or of the whole tensor ``x`` is a shard of (all ranks').
+        state = self.state  # one view per cast: eagerly each is a dispatch
         finite = torch.isfinite(amax)
-        scale = self._scale_from(amax, finite)
+        candidate, usable = self._candidate(state, amax, finite)
+        scale = torch.where(usable, candidate, state[_SCALE])
         scaled = x.float() * scale
         finite_x = torch.isfinite(x)
         clipped = scaled.clamp(-self.fp8_max, self.fp8_max)
         data = torch.where(finite_x, clipped, math.nan).to(self.fp8_dtype)
-        if self.clips:  # each buffer written is one more kernel under torch.compile
-            self.saturated.copy_((finite_x & (scaled.abs() > self.clip_threshold)).sum())
-            self.numel.fill_(x.numel())
-        self._record(amax, finite)
-        self.scale.copy_(scale)
-        self.amax.copy_(amax)
-        self.overflows.add_(~finite)
-        return data, scale.reciprocal()
+        saturated = None
+        if self.clips:  # a reduction of the cast's own loop
+            saturated = (finite_x & (scaled.abs() > self.clip_threshold)).sum()
+        inv_scale = self._write_state(state, scale, candidate, usable, amax, finite,
+                                      saturated, x.numel())  # fmt: skip
+        return data, inv_scale
+
+    def _write_state(self, state: torch.Tensor, scale: torch.Tensor, candidate: torch.Tensor,
+                     usable: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor,
+                     saturated: torch.Tensor | None, numel: int) -> torch.Tensor:  # fmt: skip
+        """Record a cast in ``state``; return its inverse scale (``1 / scale``). The
+        saturation count and ``numel`` are recorded where ``saturated`` is given."""
+        if torch.compiler.is_compiling():
+            # One elementwise op over the vector in which each slot reads only itself:
+            # inductor computes it and writes both the buffer and the inverse scale the
+            # matmul reads in one kernel (a slot reading another slot, as the delayed
+            # history's roll does, costs one more: the buffer's write is then separate).
+            # So the inverse scale is a slot too, kept with the scale where it is kept.
+            slot = self._slot
+            new = torch.where(slot == _OVERFLOWS, state + ~finite, state)
+            new = torch.where(slot == _AMAX, amax, new)
+            new = torch.where((slot == _SCALE) & usable, candidate, new)
+            new = torch.where((slot == _INV_SCALE) & usable, candidate.reciprocal(), new)
+            if saturated is not None:
+                counts = (*_count_slots(saturated), numel // _COUNT_BASE, numel % _COUNT_BASE)
+                for index, value in enumerate(counts, start=_SATURATED):
+                    new = torch.where(slot == index, value, new)
+            new = self._record_packed(state, new, amax, finite)
+            state.copy_(new)
+            return new[_INV_SCALE]
+        # Eagerly every op is a dispatch: a few slice writes instead. The kept inverse is
+        # the reciprocal of the kept scale (both are written together), so this is it.
+        inv_scale = scale.reciprocal()
+        state[_SCALE : _AMAX + 1].copy_(torch.stack((scale, inv_scale, amax)))
+        if saturated is not None:
+            high, low = _count_slots(saturated)
+            size = (high.new_full((), numel // _COUNT_BASE), high.new_full((), numel % _COUNT_BASE))
+            state[_SATURATED:_OVERFLOWS].copy_(torch.stack((high, low, *size)))
+        state[_OVERFLOWS].add_(~finite)
+        self._record(state, amax, finite)
+        return inv_scale
 
     def saturated_fraction(self) -> torch.Tensor:
         """The fraction of the last cast's elements that were clipped (a tensor, no sync)."""
-        return self.saturated.float() / self.numel.clamp(min=1).float()
+        state = self.state
+        saturated = state[_SATURATED] * _COUNT_BASE + state[_SATURATED + 1]
+        return saturated / (state[_NUMEL] * _COUNT_BASE + state[_NUMEL + 1]).clamp(min=1)
 
 
 class DynamicScaling(Float8Scaling):
@@ -213,9 +383,10 @@ class DynamicScaling(Float8Scaling):
         # fp8_max / eps overflows float32: then the scale itself must be tested.
         self._bounded = self.fp8_max / self.eps / 2.0**self.margin < torch.finfo(torch.float32).max
 
-    def _scale_from(self, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-        scale = self._finish(torch.clamp(amax, min=self.eps), finite if self._bounded else None)
-        return scale if self._bounded else torch.where(finite, scale, self.scale)
+    def _candidate(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        scale = self._finish(torch.clamp(amax, min=self.eps))
+        return scale, finite if self._bounded else finite & torch.isfinite(scale)
 
 
 class DelayedScaling(Float8Scaling):
@@ -234,7 +405,7 @@ class DelayedScaling(Float8Scaling):
     first cast, with an empty history, uses the current amax (as if dynamic).
 
     Args:
-        history_len: amaxes kept (``amax_history`` buffer, newest first).
+        history_len: amaxes kept (``amax_history``, newest first: a view of ``state``).
         amax_compute_algo: ``"max"`` over the history or the ``"most_recent"`` one.
 
     >>> s = DelayedScaling("e4m3", history_len=2)
@@ -254,27 +425,59 @@ class DelayedScaling(Float8Scaling):
         self.amax_compute_algo = check_choice(
             "amax_compute_algo", amax_compute_algo, ("max", "most_recent")
         )
-        self.register_buffer("amax_history", torch.zeros(self.history_len))
+        # The history follows the common slots in the one state vector.
+        history = torch.zeros(self.history_len, dtype=torch.int32)  # 0.0's bits
+        self._state_bits = torch.cat((self._state_bits, history))
+        self._register_slots()
 
-    def _scale_from(self, amax: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
-        history = self.amax_history
+    @property
+    def amax_history(self) -> torch.Tensor:
+        """The last ``history_len`` amaxes, newest first (a float32 view of ``state``)."""
+        return self.state[_SLOTS:]
+
+    def _candidate(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        history = state[_SLOTS:]
         past = history.amax() if self.amax_compute_algo == "max" else history[0]
         current = torch.where(finite, amax, 0.0)
         # The basis is finite and >= 0: the scale is usable where it is finite (basis > 0).
-        return self._finish(torch.where(past > 0, past, current), None)
+        scale = self._finish(torch.where(past > 0, past, current))
+        return scale, torch.isfinite(scale)
 
-    def _record(self, amax: torch.Tensor, finite: torch.Tensor) -> None:
+    def _record(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) -> None:
+        history = state[_SLOTS:]
         newest = torch.where(finite, amax, 0.0).reshape(1)
-        self.amax_history.copy_(torch.cat((newest, self.amax_history[:-1])))
+        history.copy_(torch.cat((newest, history[:-1])))
+
+    def _record_packed(self, state: torch.Tensor, new: torch.Tensor, amax: torch.Tensor,
+                       finite: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        # The roll reads each history slot's neighbour: the one update that is not in
+        # place, so inductor writes the buffer in a kernel of its own.
+        slot = self._slot
+        rolled = torch.where(slot > _SLOTS, state.roll(1), new)
+        return torch.where(slot == _SLOTS, torch.where(finite, amax, 0.0), rolled)
+
+    def _checkpoint_entries(self) -> dict[str, torch.Tensor]:
+        return {**super()._checkpoint_entries(), "amax_history": self.amax_history.detach().clone()}
+
+    def _state_with(self, entries: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        state = super()._state_with(entries)
+        if "amax_history" in entries:
+            state[_SLOTS:] = entries["amax_history"].to(state)
+        return state
 
 
+#: Recipe name -> scaling class. The rowwise recipes' rows ("rowwise",
+#: "rowwise_with_gw_hp") are added by :mod:`mixprec.float8._rowwise`, which builds on
+#: this module (importing it here would be a cycle); the package imports both.
 RECIPES: dict[str, type[Float8Scaling]] = {"dynamic": DynamicScaling, "delayed": DelayedScaling}
 
 
 def make_scaling(recipe: Any, fp8_dtype: Any, **options: Any) -> Float8Scaling:
     """A fresh scaling for ``fp8_dtype`` from a recipe name and its options.
 
-    ``recipe`` is ``"dynamic"``, ``"delayed"`` or a :class:`Float8Scaling` whose
+    ``recipe`` is a name in :data:`RECIPES` (``"dynamic"``, ``"delayed"``, ``"rowwise"``,
+    ``"rowwise_with_gw_hp"``) or a :class:`Float8Scaling` whose
     configuration is copied (with ``fp8_dtype`` replaced; options not allowed then).
     Options a recipe does not take are an error.
 
@@ -294,8 +497,8 @@ def make_scaling(recipe: Any, fp8_dtype: Any, **options: Any) -> Float8Scaling:
         return type(recipe).from_config({**recipe.get_config(), "fp8_dtype": fp8_dtype})
     if not isinstance(recipe, str):
         raise TypeError(
-            f"recipe must be 'dynamic', 'delayed' or a Float8Scaling, got "
-            f"{type(recipe).__name__} {recipe!r}"
+            f"recipe must be one of {', '.join(map(repr, RECIPES))} or a Float8Scaling, "
+            f"got {type(recipe).__name__} {recipe!r}"
         )
     cls = RECIPES[check_choice("recipe", recipe, RECIPES)]
     accepted = sorted(set(cls._config_names()) - {"fp8_dtype"})

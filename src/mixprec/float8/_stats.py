@@ -50,7 +50,7 @@ def float8_stats(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
             layer[f"amax_{tensor}"] = scaling.amax.detach().clone()
             layer[f"scale_{tensor}"] = scaling.scale.detach().clone()
             layer[f"saturated_fraction_{tensor}"] = scaling.saturated_fraction().detach()
-            layer[f"overflows_{tensor}"] = scaling.overflows.detach().clone()
+            layer[f"overflows_{tensor}"] = scaling.overflows.detach().long()  # a count
         stats[name] = layer
     return stats
 

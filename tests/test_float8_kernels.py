@@ -1,0 +1,97 @@
+"""Compiled float8 cost and correctness: the kernels inductor generates for mixprec's
+float8 layers against torchao's (a deterministic count, fresh compile, caches off), and
+the compiled update of a scaling's packed state against the eager one, bit for bit."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config as inductor_config
+from torch import nn
+from torch._dynamo.utils import counters
+from torch._inductor import metrics
+
+from mixprec.float8 import convert_to_float8, make_scaling
+
+
+def compiled_kernels(model: nn.Module, x: torch.Tensor) -> tuple[int, int]:
+    """``(kernels, graph breaks)`` of one compiled forward and backward of ``model``:
+    Dynamo reset and inductor's caches off, so every kernel is generated anew."""
+    torch._dynamo.reset()
+    counters.clear()
+    metrics.reset()
+    compiled = torch.compile(model)
+    with inductor_config.patch(force_disable_caches=True), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "dynamo_pgo force disabled")
+        compiled(x).square().mean().backward()
+    kernels = metrics.generated_kernel_count
+    breaks = sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    return kernels, breaks
+
+
+def stack() -> nn.Module:
+    """The benchmark's stack (``benchmarks.float8_peers``): Linear -> GELU -> Linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+
+
+@pytest.mark.slow
+def test_compiled_tensorwise_dynamic_stack_needs_no_more_kernels_than_torchao():
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    ours = stack()
+    assert convert_to_float8(ours, "dynamic").converted == ["0", "2"]
+    theirs = stack()
+    convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    mixprec_kernels, mixprec_breaks = compiled_kernels(ours, x)
+    torchao_kernels, torchao_breaks = compiled_kernels(theirs, x)
+    assert mixprec_breaks == 0 and torchao_breaks == 0
+    assert mixprec_kernels <= torchao_kernels, (mixprec_kernels, torchao_kernels)
+
+
+# The state machine's corner cases: zeros (no usable amax), an overflow, a nan, growth.
+SEQUENCE = [
+    [[0.5, -2.0], [1.0, 0.25]], [[0.0, 0.0], [0.0, 0.0]], [[3.0, math.inf], [1.0, 2.0]],
+    [[300.0, 1.0], [-0.1, 0.2]], [[0.5, math.nan], [0.1, 0.1]], [[2.0, 1.0], [-1.5, 0.7]],
+]  # fmt: skip
+SCALINGS = [
+    ("dynamic", "e4m3", {}),
+    ("dynamic", "e5m2", {"margin": 1.0, "power_of_2": True}),
+    ("delayed", "e4m3", {"history_len": 3}),
+    ("delayed", "e5m2", {"history_len": 2, "amax_compute_algo": "most_recent", "margin": 2.0}),
+]
+
+
+@pytest.mark.parametrize("recipe,fp8,options", SCALINGS, ids=lambda v: str(v))
+def test_compiled_state_update_equals_the_eager_one_bit_for_bit(recipe, fp8, options):
+    # Compiled, a cast writes the whole state in one elementwise op (_write_state); eagerly,
+    # in a few slice writes. Same float8 values, inverse scales and state after each cast.
+    eager = make_scaling(recipe, fp8, **options)
+    compiled = make_scaling(recipe, fp8, **options)
+    torch._dynamo.reset()
+    step = torch.compile(compiled._cast, fullgraph=True)
+    with inductor_config.patch(force_disable_caches=True), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "dynamo_pgo force disabled")
+        clipped = []
+        for values in SEQUENCE:
+            x = torch.tensor(values)
+            data, inv = eager._cast(x)
+            data_c, inv_c = step(x)
+            assert torch.equal(data_c.view(torch.uint8), data.view(torch.uint8)), values
+            assert torch.equal(inv_c, inv) and inv_c.dtype == torch.float32, values
+            # Exactly equal (a nan amax may differ in its sign bit: nan all the same).
+            torch.testing.assert_close(compiled.state, eager.state, rtol=0, atol=0, equal_nan=True)
+            clipped.append(int(eager.saturated))
+    torch._dynamo.reset()
+    assert int(eager.overflows) == 2  # the inf and the nan casts
+    if eager.clips:
+        assert int(eager.numel) == 4
+    if recipe == "delayed" and eager.amax_compute_algo == "max":
+        assert clipped[3] >= 1  # 300, scaled from the history's 2, was clipped
