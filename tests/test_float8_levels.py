@@ -334,3 +334,13 @@ def test_the_float32_emulation_computes_what_the_float8_kernel_does(dtypes, monk
     x, y = _batches(1)[0]
     loss, want = (float(nn.functional.cross_entropy(m(x), y).detach()) for m in (net, plain))
     assert abs(loss - want) < 0.05 * want
+
+
+def test_cli_fp8_takes_the_rowwise_recipe(tmp_path, capsys, small_data):
+    out = tmp_path / "run"
+    assert main(["train", "--fp8", "rowwise", *small_data, "--epochs", "1", "--out", str(out),
+                 *FAST]) == 0  # fmt: skip
+    assert "float8 (rowwise): layers.1, layers.3" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["fp8"] == "rowwise"
+    assert main(["train", "--fp8", "rowwise_by_column", *small_data, "--out", str(out)]) == 2
+    assert "rowwise_with_gw_hp" in capsys.readouterr().err  # the choices are named

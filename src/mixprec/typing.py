@@ -84,7 +84,10 @@ MasterWeightsMode: TypeAlias = Literal["fp32", "split", "split8", "kahan", "stoc
 #: ``master_weights=``: a mode's name, ``True`` (``"fp32"``) or ``False`` (none).
 MasterWeights: TypeAlias = bool | MasterWeightsMode
 
-#: A float8 recipe (``mixprec.amp._initialize.check_fp8``; ``True`` is ``"dynamic"``).
-Float8Recipe: TypeAlias = (
-    bool | Literal["dynamic", "delayed", "rowwise", "rowwise_with_gw_hp"] | None
-)
+#: A float8 recipe's name (``mixprec.float8``: tensorwise dynamic or delayed scales, or
+#: per-row scales, with or without a high-precision weight gradient).
+Float8RecipeName: TypeAlias = Literal["dynamic", "delayed", "rowwise", "rowwise_with_gw_hp"]
+
+#: ``fp8=`` of ``amp.initialize`` (``mixprec.amp._initialize.check_fp8``; ``True`` is
+#: ``"dynamic"``, ``None``/``False`` no float8).
+Float8Recipe: TypeAlias = bool | Float8RecipeName | None

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
-from mixprec.typing import MasterWeightsMode
+from mixprec.typing import Float8RecipeName, MasterWeightsMode
 
 #: The largest ``--lr``: AdamW's first step is up to 10 x the learning rate (its bias
 #: correction), and that must stay a float32 number (3.4e38) for the update to be made;
@@ -54,6 +54,9 @@ COMPARE_LEVEL_TIMEOUT = 3600.0
 #: which loads without torch, as this module does (a test checks they match
 #: :data:`mixprec.optim.masters.MASTER_WEIGHT_MODES`).
 MASTER_WEIGHTS = (*typing.get_args(MasterWeightsMode), "none")
+
+#: ``--fp8`` choices: the float8 recipes (:data:`mixprec.typing.Float8RecipeName`).
+FP8_RECIPES: tuple[str, ...] = typing.get_args(Float8RecipeName)
 
 #: ``--optimizer`` choices: torch's AdamW, or mixprec's 8-bit-state AdamW
 #: (:class:`mixprec.optim.AdamW8bit`; 2 bytes of state per parameter, not 8).
@@ -293,9 +296,10 @@ def _add_training_options(p: argparse.ArgumentParser, command: str) -> None:
         nargs="?",
         const="dynamic",
         default=None,
-        choices=("dynamic", "delayed"),
+        choices=FP8_RECIPES,
         help="run the linear layers whose sizes are multiples of 16 in float8 (forward and "
-        "backward), with per-tensor scales: dynamic (default) or delayed (amax history)"
+        "backward): per-tensor scales, dynamic (default) or delayed (amax history), or "
+        "per-row scales, rowwise or rowwise_with_gw_hp (weight gradient in high precision)"
         + ("" if train else "; for every level (a single level: +fp8 in --levels)"),
     )
     p.add_argument(

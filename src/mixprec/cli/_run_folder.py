@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from mixprec._checks import as_dtype
-from mixprec.cli._args import LR_MAX, MASTER_WEIGHTS, OPTIMIZERS, UsageError
+from mixprec.cli._args import FP8_RECIPES, LR_MAX, MASTER_WEIGHTS, OPTIMIZERS, UsageError
 from mixprec.train._checkpoint import CheckpointError, newest_readable
 from mixprec.train._names import AMP_LEVELS, MODEL_NAMES
 from mixprec.train.callbacks import ModelCheckpoint
@@ -228,7 +228,7 @@ _SETTINGS: dict[str, tuple[Any, str]] = {
     "device": (lambda v: v is None or (isinstance(v, str) and v != ""), "a device or null"),
     "threads": (_whole(1, optional=True), "a positive whole number or null"),
     "compile": (lambda v: isinstance(v, bool), "true or false"),
-    "fp8": (lambda v: v in (None, "dynamic", "delayed"), "null, 'dynamic' or 'delayed'"),
+    "fp8": (lambda v: v is None or v in FP8_RECIPES, f"null or one of {', '.join(FP8_RECIPES)}"),
     "master_weights": (
         lambda v: v is None or v in MASTER_WEIGHTS,
         f"null (the level's own) or one of {', '.join(MASTER_WEIGHTS)}",
