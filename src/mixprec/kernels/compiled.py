@@ -91,7 +91,6 @@ def compile_math(mode: str, cpu_min_chunk: int = 16384) -> Any:
 #: dynamo's own recompile limit (8) is reached: past it, ``fullgraph=True`` would fail.
 RECOMPILE_LIMIT = 256
 
-_LIMIT_HIT: Any = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
 
 def _run_compiled(mode: str, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
@@ -100,7 +99,11 @@ def _run_compiled(mode: str, *args: Any, **kwargs: Any) -> list[torch.Tensor]:
     compiled = _compiled(mode)
     try:
         return compiled(mode, *args, **kwargs)
-    except _LIMIT_HIT:
+    except Exception as err:
+        # Looked up here, not at import: importing dynamo takes seconds, and a process
+        # that never compiles (the command line's input checks) should not pay them.
+        if not isinstance(err, getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())):
+            raise
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return compiled(mode, *args, **kwargs)
 
