@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from mixprec.float8._scaling import Float8Scaling
+from mixprec.float8._scaling import Float8Scaling, tensor_amax
 
 aten = torch.ops.aten
 
@@ -150,7 +150,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if shard.shape[0] < rows:  # a short last shard: zeros change neither amax nor data
             shard = nn.functional.pad(shard, (0, 0) * (shard.dim() - 1) + (0, rows - shard.shape[0]))
         shard = shard.detach()
-        amax = shard.abs().amax().float() if shard.numel() else shard.new_zeros((), dtype=torch.float32)
+        amax = tensor_amax(shard)
         # The max of the shards' amaxes is the weight's amax: the scale, and so every
         # float8 value, is what the unsharded layer computes.
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())

@@ -33,6 +33,7 @@ tensor(True)
 
 from __future__ import annotations
 
+import abc
 from typing import Any, cast
 
 import torch
@@ -87,15 +88,18 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, x8: torch.Tensor,
                 x_inv: torch.Tensor, w8: torch.Tensor, w_inv: torch.Tensor,
                 grad_scaling: Float8Scaling, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        # ``weight`` and ``w8`` are (out, in), possibly as transposed views (Conv1D): w8 is
-        # written row-major, so both layer kinds run the very same matmuls.
-        w8 = w8.contiguous()
+        # ``weight`` and ``w8`` are (out, in), possibly as transposed views (Conv1D, whose
+        # storage is (in, out)). The forward reads W column-major (W^T row-major) and
+        # the backward W row-major: for nn.Linear the second is the cast itself and the
+        # first one copy, for Conv1D the other way round. Both run the same matmuls.
+        w8t = w8.t()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        ctx.save_for_backward(w8.t().contiguous() if need_x else None, w_inv,
+        ctx.save_for_backward(w8t.contiguous() if need_x else None, w_inv,
                               _transposed(x8) if need_w else None, x_inv)  # fmt: skip
         ctx.grad_scaling = grad_scaling
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        return scaled_mm(x8, w8.t(), x_inv, w_inv, out_dtype)
+        return scaled_mm(x8, w8t if w8.is_contiguous() else w8.contiguous().t(), x_inv, w_inv,
+                         out_dtype)  # fmt: skip
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -156,7 +160,7 @@ def is_conv1d(module: nn.Module) -> bool:
     )
 
 
-class Float8Layer(nn.Module):
+class Float8Layer(nn.Module, abc.ABC):
     """What every float8 layer has: three scalings, an output dtype, the float8 forward.
 
     Subclasses say how to read their weight as ``(out, in)`` (:meth:`weight_out_in`),
@@ -235,9 +239,9 @@ class Float8Layer(nn.Module):
         """The scaling recipe's name (``"dynamic"``, ``"delayed"``, ``"rowwise"``, ...)."""
         return self.input_scaling.kind
 
+    @abc.abstractmethod
     def weight_out_in(self) -> torch.Tensor:
         """The weight as an ``(out, in)`` matrix (a view for transposed storage)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement weight_out_in")
 
     def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
         if self.output_dtype is not None:
@@ -265,11 +269,12 @@ class Float8Layer(nn.Module):
             y = rowwise_matmul(rows, weight, self.input_scaling, self.weight_scaling,
                                self.grad_scaling, out_dtype)  # fmt: skip
         else:
-            x8, x_inv = self.input_scaling._cast(rows.detach())
-            if isinstance(weight, Float8GatheredWeight):  # FSDP2 gathered it in float8
-                w8, w_inv = weight.float8_parts()
-            else:
-                w8, w_inv = self.weight_scaling._cast(weight.detach())
+            with torch.no_grad():  # the casts are not differentiated (no detach op needed)
+                x8, x_inv = self.input_scaling._cast(rows)
+                if isinstance(weight, Float8GatheredWeight):  # FSDP2 gathered it in float8
+                    w8, w_inv = weight.float8_parts()
+                else:
+                    w8, w_inv = self.weight_scaling._cast(weight)
             y = _Float8Matmul.apply(rows, weight, x8, x_inv, w8, w_inv, self.grad_scaling,
                                     out_dtype)  # fmt: skip
         y = y.reshape(*x.shape[:-1], out_features)

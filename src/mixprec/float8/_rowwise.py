@@ -56,21 +56,21 @@ True
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from mixprec._checks import check_number
 from mixprec.float8._matmul import scaled_mm
-from mixprec.float8._scaling import RECIPES, Float8Scaling
+from mixprec.float8._scaling import RECIPES, DynamicScaling, Float8Scaling
 
 #: ``torch._scaled_mm`` on GPUs needs the contracted dimension to be a multiple of this;
 #: the token dimension, contracted in ``grad_W``, is padded to it with zeros.
 _TOKEN_ALIGNMENT = 16
 
 
-class RowwiseScaling(Float8Scaling):
+class RowwiseScaling(DynamicScaling):
     """Dynamic scaling with one scale per row (or column) of a matmul operand.
 
     One cast of a 2-D ``x`` along ``dim`` (``-1``: a scale per row; ``0``: per column;
@@ -106,18 +106,13 @@ class RowwiseScaling(Float8Scaling):
 
     kind: ClassVar[str] = "rowwise"
     clips: ClassVar[bool] = False
-    # The statistics Float8Scaling keeps (written by _note), typed for the checker.
-    amax: torch.Tensor
-    scale: torch.Tensor
-    overflows: torch.Tensor
     #: Whether the weight gradient is computed in high precision instead of float8.
     grad_weight_hp: ClassVar[bool] = False
 
     def __init__(self, fp8_dtype: Any = "e4m3", *, margin: float = 0, power_of_2: bool = True,
                  eps: float = 1e-12):  # fmt: skip
-        super().__init__(fp8_dtype, margin=margin, power_of_2=power_of_2)
-        self.eps = check_number("eps", eps, minimum=0, exclusive=True, hint="pass e.g. eps=1e-12")
-        if self.fp8_max / self.eps / 2.0**self.margin > torch.finfo(torch.float32).max:
+        super().__init__(fp8_dtype, margin=margin, power_of_2=power_of_2, eps=eps)
+        if not self._bounded:
             # An all-zero row would get an infinite scale, and 0 * inf is NaN.
             raise ValueError(
                 f"eps={eps!r} gives an all-zero row a scale beyond float32's range; pass a "
@@ -128,18 +123,15 @@ class RowwiseScaling(Float8Scaling):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(data, inv_scale, amax)`` of a 2-D ``x`` cast with a scale per slice along
         ``dim`` (``None``: one scale); ``inv_scale`` and ``amax`` keep ``dim`` as size 1."""
-        if x.numel():
-            amax = (x.abs().amax() if dim is None else x.abs().amax(dim, keepdim=True)).float()
+        if x.numel():  # the inf-norm is max(|x|) in one op
+            amax = torch.linalg.vector_norm(x, math.inf, dim=dim, keepdim=dim is not None,
+                                            dtype=torch.float32)  # fmt: skip
         else:  # an empty reduction has no max; nothing is cast anyway
             shape = list(x.shape)
             if dim is not None:
                 shape[dim] = 1
             amax = x.new_zeros(shape if dim is not None else (), dtype=torch.float32)
-        scale = self.fp8_max / torch.clamp(amax, min=self.eps)
-        if self.margin:
-            scale = scale / 2.0**self.margin
-        if self.power_of_2:
-            scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = self._finish(torch.clamp(amax, min=self.eps))  # dynamic scaling's, per row
         # No test for non-finite rows (class docstring): inf * 0 and NaN stay NaN through
         # the clamp and the cast.
         data = (x.float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype)
@@ -148,10 +140,9 @@ class RowwiseScaling(Float8Scaling):
     def _note(self, amax: torch.Tensor, inv_scale: torch.Tensor) -> None:
         """Record a cast's statistics for the tensor as a whole (no host sync)."""
         if amax.numel():
-            largest = amax.amax()  # NaN and inf propagate: an overflow shows as such
-            self.amax.copy_(largest)
-            self.scale.copy_(inv_scale.amax().reciprocal())
-            self.overflows.add_(~torch.isfinite(largest))
+            largest_inv = inv_scale.amax()  # the smallest scale: that of the amax's row
+            # NaN and inf propagate through the max: an overflow shows as such.
+            self._store(largest_inv.reciprocal(), largest_inv, amax.amax())
 
     def _cast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
@@ -217,7 +208,7 @@ class _RowwiseMatmul(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, input_scaling: RowwiseScaling,
                 weight_scaling: RowwiseScaling, grad_scaling: RowwiseScaling,
                 out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        x, weight = x.detach(), weight.detach()
+        # Autograd records nothing inside forward and backward: no detach is needed.
         x8, x_inv, x_amax = input_scaling._cast_along(x, -1)
         w8, w_inv, w_amax = weight_scaling._cast_along(weight, -1)
         input_scaling._note(x_amax, x_inv)
@@ -243,7 +234,7 @@ class _RowwiseMatmul(torch.autograd.Function):
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         w_for_gx, w_inv, x_for_gw, x_inv = ctx.saved_tensors
         scaling: RowwiseScaling = ctx.grad_scaling
-        g = grad_y.detach()
+        g = grad_y
         grad_x = grad_w = None
         noted = False
         if w_for_gx is not None:  # grad_x = g @ W, g with a scale per row

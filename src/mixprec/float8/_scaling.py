@@ -24,6 +24,7 @@ host, so the casts run under ``torch.compile`` and CUDA graphs.
 
 from __future__ import annotations
 
+import abc
 import inspect
 import math
 from collections.abc import Mapping
@@ -43,7 +44,10 @@ from mixprec._checks import (
 
 # The slots of a scaling's ``state`` vector. Counts take two slots, high and low, each
 # an integer below float32's 2**24 (the largest run of exactly representable integers).
-_SCALE, _INV_SCALE, _AMAX, _SATURATED, _NUMEL, _OVERFLOWS = 0, 1, 2, 3, 5, 7
+# The four values every cast rewrites come first, so that an eager cast writes them with
+# one op (a ``torch.stack`` into the vector's head).
+_SCALE, _INV_SCALE, _AMAX, _OVERFLOWS, _SATURATED, _NUMEL = 0, 1, 2, 3, 4, 6
+_HEAD = _OVERFLOWS + 1
 _SLOTS = 8  # recipe state (the delayed history) follows
 _COUNT_BASE = 2**24
 
@@ -57,7 +61,20 @@ def _read_count(state: torch.Tensor, slot: int) -> torch.Tensor:
     return state[slot].long() * _COUNT_BASE + state[slot + 1].long()
 
 
-class Float8Scaling(nn.Module):
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` as a float32 0-d tensor (0 for an empty ``x``); inf/nan propagate.
+
+    The inf-norm: one op eagerly, the same reduction as ``x.abs().amax()`` compiled.
+
+    >>> tensor_amax(torch.tensor([1.0, -3.0], dtype=torch.bfloat16))
+    tensor(3.)
+    """
+    if not x.numel():  # an empty reduction has no max; nothing is cast anyway
+        return x.new_zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(x, math.inf, dtype=torch.float32)
+
+
+class Float8Scaling(nn.Module, abc.ABC):
     """The interface of a per-tensor float8 scaling; subclasses pick the scale.
 
     One :meth:`cast`::
@@ -128,7 +145,16 @@ class Float8Scaling(nn.Module):
     @property
     def state(self) -> torch.Tensor:
         """Every value the scaling keeps, as one float32 vector (a view of its buffer)."""
-        return self._state_bits.view(torch.float32)
+        bits = self._state_bits
+        if torch.compiler.is_compiling():
+            return bits.view(torch.float32)
+        # Eagerly a view is a dispatch, once per cast: the view is kept with the buffer it
+        # views, and made again when the buffer is replaced (``.to()``, ``_apply``).
+        cached = self.__dict__.get("_state_view")
+        if cached is None or cached[0] is not bits:
+            cached = (bits, bits.view(torch.float32))
+            self.__dict__["_state_view"] = cached
+        return cached[1]
 
     @property
     def scale(self) -> torch.Tensor:
@@ -255,11 +281,12 @@ class Float8Scaling(nn.Module):
 
     # -- the step -------------------------------------------------------------------
 
+    @abc.abstractmethod
     def _candidate(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``(scale, usable)``: this cast's new scale given the current amax and whether it
-        is finite (``state`` not yet updated), and whether it replaces the previous one."""
-        raise NotImplementedError(f"{type(self).__name__} must implement _candidate")
+        is finite (``state`` not yet updated), and whether it replaces the previous one.
+        The one formula a recipe must give (the class docstring's ``recipe's scale``)."""
 
     def _record(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) -> None:
         """Update recipe-specific state in place after an eager cast (the delayed history)."""
@@ -293,34 +320,56 @@ class Float8Scaling(nn.Module):
     def _cast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The float8 layers' hot path (their input was checked once). Written as few ops
         # as the recipe needs: eagerly each is a dispatch; compiled, the amax is the one
-        # pass before the cast, the cast and the non-finite test are one more, and the
-        # state's update (with the inverse scale) a third (_write_state).
-        amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-        return self._cast_with_amax(x, amax)
+        # pass before the cast, the cast is one more, and the state's update (with the
+        # inverse scale) a third (_write_state).
+        return self._cast_with_amax(x, tensor_amax(x))
 
     def _cast_with_amax(self, x: torch.Tensor, amax: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         # ``amax`` is that of ``x``, or of the whole tensor ``x`` is a shard of (all ranks').
-        state = self.state  # one view per cast: eagerly each is a dispatch
-        finite = torch.isfinite(amax)
+        state = self.state
+        # An amax is >= 0 or NaN, so this is isfinite(amax) in one op (NaN < inf is False).
+        finite = amax < math.inf
         candidate, usable = self._candidate(state, amax, finite)
-        scale = torch.where(usable, candidate, state[_SCALE])
-        scaled = x.float() * scale
-        finite_x = torch.isfinite(x)
-        clipped = scaled.clamp(-self.fp8_max, self.fp8_max)
-        data = torch.where(finite_x, clipped, math.nan).to(self.fp8_dtype)
-        saturated = None
-        if self.clips:  # a reduction of the cast's own loop
-            saturated = (finite_x & (scaled.abs() > self.clip_threshold)).sum()
-        inv_scale = self._write_state(state, scale, candidate, usable, amax, finite,
+        previous = state if torch.compiler.is_compiling() else state.unbind()
+        scale = torch.where(usable, candidate, previous[_SCALE])
+        data, saturated = self._scaled_data(x, scale)
+        inv_scale = self._write_state(state, previous, scale, candidate, usable, amax, finite,
                                       saturated, x.numel())  # fmt: skip
         return data, inv_scale
 
-    def _write_state(self, state: torch.Tensor, scale: torch.Tensor, candidate: torch.Tensor,
-                     usable: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor,
-                     saturated: torch.Tensor | None, numel: int) -> torch.Tensor:  # fmt: skip
+    def _scaled_data(self, x: torch.Tensor, scale: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """``(data, saturated)``: ``x * scale`` clipped and in float8, non-finite elements
+        NaN, and the count of clipped elements where the recipe ``clips`` (else ``None``).
+        A finite element whose scaled value overflows is clipped (and counted) like any
+        other."""
+        saturated = None
+        if torch.compiler.is_compiling():
+            # Inductor fuses the test, the where and the count into the cast's loop (a
+            # nan_to_num, or the where before the scaling, costs kernels of their own).
+            finite_x = torch.isfinite(x)
+            scaled = x.float() * scale
+            clipped = scaled.clamp(-self.fp8_max, self.fp8_max)
+            data = torch.where(finite_x, clipped, math.nan).to(self.fp8_dtype)
+            if self.clips:
+                saturated = (finite_x & (scaled.abs() > self.clip_threshold)).sum()
+            return data, saturated
+        # Eagerly each op is a dispatch: nan_to_num makes inf NaN in one, and NaN stays NaN
+        # through the clamp and compares False in the count.
+        scaled = x.float().nan_to_num(nan=math.nan, posinf=math.nan, neginf=math.nan) * scale
+        data = scaled.clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype)
+        if self.clips:
+            saturated = (scaled.abs() > self.clip_threshold).sum()
+        return data, saturated
+
+    def _write_state(self, state: torch.Tensor, previous: Any, scale: torch.Tensor,
+                     candidate: torch.Tensor, usable: torch.Tensor, amax: torch.Tensor,
+                     finite: torch.Tensor, saturated: torch.Tensor | None, numel: int
+                     ) -> torch.Tensor:  # fmt: skip
         """Record a cast in ``state``; return its inverse scale (``1 / scale``). The
-        saturation count and ``numel`` are recorded where ``saturated`` is given."""
+        saturation count and ``numel`` are recorded where ``saturated`` is given.
+        ``previous`` is ``state``'s slots as the cast found them (eagerly, ``unbind``'s)."""
         if torch.compiler.is_compiling():
             # One elementwise op over the vector in which each slot reads only itself:
             # inductor computes it and writes both the buffer and the inverse scale the
@@ -339,17 +388,33 @@ class Float8Scaling(nn.Module):
             new = self._record_packed(state, new, amax, finite)
             state.copy_(new)
             return new[_INV_SCALE]
-        # Eagerly every op is a dispatch: a few slice writes instead. The kept inverse is
-        # the reciprocal of the kept scale (both are written together), so this is it.
+        # Eagerly every op is a dispatch: the slots a cast rewrites are one stack into
+        # the vector. The kept inverse is the reciprocal of the kept scale (both are
+        # written together), so this is it.
         inv_scale = scale.reciprocal()
-        state[_SCALE : _AMAX + 1].copy_(torch.stack((scale, inv_scale, amax)))
-        if saturated is not None:
+        head = (scale, inv_scale, amax, previous[_OVERFLOWS] + ~finite)
+        if saturated is None:
+            torch.stack(head, out=state[:_HEAD])
+        else:
             high, low = _count_slots(saturated)
             size = (high.new_full((), numel // _COUNT_BASE), high.new_full((), numel % _COUNT_BASE))
-            state[_SATURATED:_OVERFLOWS].copy_(torch.stack((high, low, *size)))
-        state[_OVERFLOWS].add_(~finite)
+            torch.stack((*head, high, low, *size), out=state[:_SLOTS])
         self._record(state, amax, finite)
         return inv_scale
+
+    def _store(self, scale: torch.Tensor, inv_scale: torch.Tensor, amax: torch.Tensor) -> None:
+        """Record an eager cast made outside :meth:`_cast_with_amax` (the rowwise casts):
+        its scale and inverse, its amax, and one more overflow if the amax is not finite."""
+        state, finite = self.state, amax < math.inf
+        if torch.compiler.is_compiling():  # one elementwise update, as in _write_state
+            slot = self._slot
+            new = torch.where(slot == _OVERFLOWS, state + ~finite, state)
+            for index, value in ((_SCALE, scale), (_INV_SCALE, inv_scale), (_AMAX, amax)):
+                new = torch.where(slot == index, value, new)
+            state.copy_(new)
+        else:
+            overflows = state.unbind()[_OVERFLOWS] + ~finite
+            torch.stack((scale, inv_scale, amax, overflows), out=state[:_HEAD])
 
     def saturated_fraction(self) -> torch.Tensor:
         """The fraction of the last cast's elements that were clipped (a tensor, no sync)."""
