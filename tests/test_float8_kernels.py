@@ -69,10 +69,11 @@ SCALINGS = [
 ]
 
 
-@pytest.mark.parametrize("recipe,fp8,options", SCALINGS, ids=lambda v: str(v))
-def test_compiled_state_update_equals_the_eager_one_bit_for_bit(recipe, fp8, options):
-    # Compiled, a cast writes the whole state in one elementwise op (_write_state); eagerly,
-    # in a few slice writes. Same float8 values, inverse scales and state after each cast.
+def compiled_and_eager_casts(recipe: str, fp8: str, options: dict, sequence: list
+                             ) -> tuple[object, list[int]]:  # fmt: skip
+    """Cast ``sequence`` with an eager scaling and a compiled twin, asserting the same float8
+    values, inverse scales and state after each cast; the eager scaling and its counts of
+    clipped elements."""
     eager = make_scaling(recipe, fp8, **options)
     compiled = make_scaling(recipe, fp8, **options)
     torch._dynamo.reset()
@@ -80,7 +81,7 @@ def test_compiled_state_update_equals_the_eager_one_bit_for_bit(recipe, fp8, opt
     with inductor_config.patch(force_disable_caches=True), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "dynamo_pgo force disabled")
         clipped = []
-        for values in SEQUENCE:
+        for values in sequence:
             x = torch.tensor(values)
             data, inv = eager._cast(x)
             data_c, inv_c = step(x)
@@ -90,8 +91,30 @@ def test_compiled_state_update_equals_the_eager_one_bit_for_bit(recipe, fp8, opt
             torch.testing.assert_close(compiled.state, eager.state, rtol=0, atol=0, equal_nan=True)
             clipped.append(int(eager.saturated))
     torch._dynamo.reset()
+    return eager, clipped
+
+
+@pytest.mark.parametrize("recipe,fp8,options", SCALINGS, ids=lambda v: str(v))
+def test_compiled_state_update_equals_the_eager_one_bit_for_bit(recipe, fp8, options):
+    # Compiled, a cast writes the whole state in one elementwise op (_write_state); eagerly,
+    # in one stack into the state. Same float8 values, inverse scales and state.
+    eager, clipped = compiled_and_eager_casts(recipe, fp8, options, SEQUENCE)
     assert int(eager.overflows) == 2  # the inf and the nan casts
     if eager.clips:
         assert int(eager.numel) == 4
     if recipe == "delayed" and eager.amax_compute_algo == "max":
         assert clipped[3] >= 1  # 300, scaled from the history's 2, was clipped
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_compiled_delayed_saturation_count_equals_the_eager_one_from_the_first_cast(algo):
+    # Compiled, delayed scaling counts clipped elements in the amax's pass, from the scale
+    # the history gives (a cast with no history and a finite amax clips nothing). An
+    # overflow on the very first cast keeps the initial scale 1.0, which clips 1000; a
+    # later cast scaled from the history clips 300 and 400.
+    sequence = [[[1000.0, math.inf], [1.0, -2.0]], [[0.5, 0.25], [1.0, 2.0]],
+                [[300.0, -400.0], [0.1, 0.2]], [[0.0, 0.0], [0.0, 0.0]]]  # fmt: skip
+    eager, clipped = compiled_and_eager_casts("delayed", "e4m3", {"amax_compute_algo": algo},
+                                              sequence)  # fmt: skip
+    assert clipped == [1, 0, 2, 0]
+    assert int(eager.overflows) == 1

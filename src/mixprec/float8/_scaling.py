@@ -333,35 +333,51 @@ class Float8Scaling(nn.Module, abc.ABC):
         candidate, usable = self._candidate(state, amax, finite)
         previous = state if torch.compiler.is_compiling() else state.unbind()
         scale = torch.where(usable, candidate, previous[_SCALE])
-        data, saturated = self._scaled_data(x, scale)
+        saturated = None
+        if self.clips and torch.compiler.is_compiling():
+            saturated = self._saturation_in_amax_pass(x, state, finite)
+        data, counted = self._scaled_data(x, scale, count=self.clips and saturated is None)
+        saturated = counted if saturated is None else saturated
         inv_scale = self._write_state(state, previous, scale, candidate, usable, amax, finite,
                                       saturated, x.numel())  # fmt: skip
         return data, inv_scale
 
-    def _scaled_data(self, x: torch.Tensor, scale: torch.Tensor
+    def _scaled_data(self, x: torch.Tensor, scale: torch.Tensor, count: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """``(data, saturated)``: ``x * scale`` clipped and in float8, non-finite elements
-        NaN, and the count of clipped elements where the recipe ``clips`` (else ``None``).
-        A finite element whose scaled value overflows is clipped (and counted) like any
-        other."""
+        NaN, and (if ``count``) the number of elements clipped, else ``None``. A finite
+        element whose scaled value overflows is clipped (and counted) like any other."""
         saturated = None
         if torch.compiler.is_compiling():
-            # Inductor fuses the test, the where and the count into the cast's loop (a
-            # nan_to_num, or the where before the scaling, costs kernels of their own).
+            # Inductor fuses the test and the where into the cast's loop (a nan_to_num, or
+            # the where before the scaling, costs kernels of their own).
             finite_x = torch.isfinite(x)
             scaled = x.float() * scale
             clipped = scaled.clamp(-self.fp8_max, self.fp8_max)
             data = torch.where(finite_x, clipped, math.nan).to(self.fp8_dtype)
-            if self.clips:
-                saturated = (finite_x & (scaled.abs() > self.clip_threshold)).sum()
+            if count:
+                saturated = self._clipped(x, scale).sum()
             return data, saturated
         # Eagerly each op is a dispatch: nan_to_num makes inf NaN in one, and NaN stays NaN
         # through the clamp and compares False in the count.
         scaled = x.float().nan_to_num(nan=math.nan, posinf=math.nan, neginf=math.nan) * scale
         data = scaled.clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype)
-        if self.clips:
+        if count:
             saturated = (scaled.abs() > self.clip_threshold).sum()
         return data, saturated
+
+    def _clipped(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Which elements of ``x`` a cast with ``scale`` clips: finite, and beyond the range
+        by more than rounding once scaled."""
+        return torch.isfinite(x) & ((x.float() * scale).abs() > self.clip_threshold)
+
+    def _saturation_in_amax_pass(self, x: torch.Tensor, state: torch.Tensor,
+                                 finite: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+        """Compiled, for a recipe whose scale is known before ``x`` is read: the saturation
+        count as a second reduction of the amax's pass over ``x`` (after the cast, inductor
+        leaves it a kernel of its own). ``None``: the scale depends on ``x`` (the default).
+        """
+        return None
 
     def _write_state(self, state: torch.Tensor, previous: Any, scale: torch.Tensor,
                      candidate: torch.Tensor, usable: torch.Tensor, amax: torch.Tensor,
@@ -500,14 +516,28 @@ class DelayedScaling(Float8Scaling):
         """The last ``history_len`` amaxes, newest first (a float32 view of ``state``)."""
         return self.state[_SLOTS:]
 
+    def _past(self, state: torch.Tensor) -> torch.Tensor:
+        """The history's basis for the scale: its max, or its newest amax (0: none yet)."""
+        history = state[_SLOTS:]
+        return history.amax() if self.amax_compute_algo == "max" else history[0]
+
     def _candidate(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        history = state[_SLOTS:]
-        past = history.amax() if self.amax_compute_algo == "max" else history[0]
+        past = self._past(state)
         current = torch.where(finite, amax, 0.0)
         # The basis is finite and >= 0: the scale is usable where it is finite (basis > 0).
         scale = self._finish(torch.where(past > 0, past, current))
         return scale, torch.isfinite(scale)
+
+    def _saturation_in_amax_pass(self, x: torch.Tensor, state: torch.Tensor,
+                                 finite: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
+        # Where the history has a basis (past > 0), or the amax is not finite, the scale is
+        # the history's (or the previous one where that is unusable): known before x is
+        # read. Otherwise it comes from x's own finite amax and clips nothing (as dynamic).
+        past = self._past(state)
+        candidate = self._finish(past)
+        scale = torch.where(torch.isfinite(candidate), candidate, state[_SCALE])
+        return torch.where((past > 0) | ~finite, self._clipped(x, scale).sum(), 0)
 
     def _record(self, state: torch.Tensor, amax: torch.Tensor, finite: torch.Tensor) -> None:
         history = state[_SLOTS:]
