@@ -14,7 +14,13 @@ figure                      how it is measured
                             different layers (GPT-2)
 ``graph_breaks``            Dynamo's graph-break counter over those steps
 ``recompiles``              graphs compiled after the first step, over five steps
-``eager_ops``               aten ops of one eager forward and backward (a ``TorchDispatchMode``)
+``eager_ops``               aten ops of one eager forward and backward, as a
+                            ``TorchDispatchMode`` sees them (the ops a tensor subclass runs
+                            inside its own dispatch, as torchao's float8 tensor does, are not
+                            seen)
+``eager_calls``             aten calls that reach a kernel in the same step, the profiler's
+                            aten events with no aten event inside them: the ops inside a
+                            subclass's dispatch included, so both libraries count alike
 ``loss``                    the eager loss after ``--steps`` AdamW steps, from the same weights
                             and batches; ``vs_fp32`` and ``vs_torchao`` are its differences
                             from the float32 run's and torchao's same-recipe run's
@@ -24,8 +30,10 @@ Models: ``stack`` (``Linear(256, 1024) -> GELU -> Linear(1024, 256)``), ``block`
 pre-norm transformer block of ``nn.Linear`` projections: attention and MLP) and
 ``gpt2`` (Hugging Face's GPT-2 built from a small ``GPT2Config``, nothing downloaded;
 its attention and MLP projections are ``Conv1D`` layers, which mixprec converts and
-torchao does not, so the rows' ``float8 layers`` differ and their kernels compare
-different amounts of float8 work). Recipes, by mixprec's name and torchao's:
+torchao does not). On GPT-2 mixprec runs twice: converting every layer it can (library
+``mixprec``, the ``Conv1D`` projections too) and only the layers torchao converts
+(``mixprec-same-layers``, the like-for-like row its ``vs_torchao`` compares). Recipes,
+by mixprec's name and torchao's:
 ``dynamic``/``tensorwise``, ``rowwise``/``rowwise``,
 ``rowwise_with_gw_hp``/``rowwise_with_gw_hp``; ``delayed`` is mixprec's alone (torchao
 removed delayed scaling). A recipe the installed mixprec does not have is reported as
@@ -133,14 +141,23 @@ def _torchao_filter(module: nn.Module, name: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0  # type: ignore[operator]
 
 
+def _linear_only(name: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear)  # torchao's reach: Hugging Face's Conv1D is not one
+
+
 def convert(model: nn.Module, library: str, recipe: str) -> int:
-    """Convert ``model`` in place with ``library``'s ``recipe``; the float8 layer count."""
+    """Convert ``model`` in place with ``library``'s ``recipe``; the float8 layer count.
+
+    ``library``: ``"float32"`` (nothing), ``"mixprec"``, ``"mixprec-same-layers"`` (only
+    the ``nn.Linear`` layers, as torchao) or ``"torchao"``.
+    """
     if library == "float32":
         return 0
-    if library == "mixprec":
+    if library in ("mixprec", "mixprec-same-layers"):
         from mixprec.float8 import convert_to_float8
 
-        return len(convert_to_float8(model, recipe).converted)
+        only = _linear_only if library == "mixprec-same-layers" else None
+        return len(convert_to_float8(model, recipe, module_filter=only).converted)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear as AoFloat8Linear
 
@@ -159,6 +176,24 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+def dispatched_ops(step: Callable[[], object]) -> int:
+    """The aten ops a ``TorchDispatchMode`` sees while ``step()`` runs."""
+    counter = _OpCounter()
+    with counter:
+        step()
+    return counter.ops
+
+
+def kernel_calls(step: Callable[[], object]) -> int:
+    """The aten calls that reach a kernel while ``step()`` runs: the profiler's aten events
+    with no aten event inside them (what a tensor subclass dispatches inside its own
+    ``__torch_dispatch__`` included; a composite op counts by the ops it runs)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    return sum(not any(c.name.startswith("aten::") for c in e.cpu_children) for e in aten)
 
 
 def _compiled_figures(model: nn.Module, loss: Callable[[nn.Module, int], torch.Tensor]
@@ -195,24 +230,29 @@ def _eager_figures(model: nn.Module, loss: Callable[[nn.Module, int], torch.Tens
                    steps: int) -> dict[str, Any]:  # fmt: skip
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ops = 0
+    figures: dict[str, Any] = {}
     losses = []
+    values: list[torch.Tensor] = []
+
+    def forward_backward(step: int) -> None:
+        values.append(loss(model, step))
+        values[-1].backward()
+
     for step in range(steps):
-        counter = _OpCounter()
-        if step == 1:  # after a first step: lazy state exists, as in training
-            with counter:
-                value = loss(model, step)
-                value.backward()
-            ops = counter.ops
+        # Counted after a first step (lazy state exists, as in training): the dispatched
+        # ops of the second, the kernel calls of the third.
+        if step == 1:
+            figures["eager_ops"] = dispatched_ops(lambda: forward_backward(1))
+        elif step == 2:
+            figures["eager_calls"] = kernel_calls(lambda: forward_backward(2))
         else:
-            value = loss(model, step)
-            value.backward()
+            forward_backward(step)
         opt.step()
         opt.zero_grad()
-        losses.append(float(value.detach()))
+        losses.append(float(values[-1].detach()))
     with torch.no_grad():
         final = float(loss(model, steps))
-    return {"eager_ops": ops, "loss": final, "first_loss": losses[0]}
+    return {**figures, "loss": final, "first_loss": losses[0]}
 
 
 def measure(model_name: str, library: str, recipe: str, steps: int,
@@ -242,19 +282,25 @@ def run(models: list[str], recipes: list[str], steps: int, compiled: bool = True
         rows.append(fp32)
         log(_line(fp32))
         for recipe in recipes:
-            libraries = ["mixprec"] + (["torchao"] if RECIPES[recipe] is not None else [])
-            pair = {}
+            libraries = ["mixprec"]
+            if model_name == "gpt2":  # the like-for-like row: torchao's layers only
+                libraries.append("mixprec-same-layers")
+            if RECIPES[recipe] is not None:
+                libraries.append("torchao")
+            group = {}
             for library in libraries:
                 row = measure(model_name, library, recipe, steps, compiled)
                 if "loss" in row:
                     row["vs_fp32"] = row["loss"] - fp32["loss"]
-                if "kernels" in row and "kernels" in fp32 and row["float8_layers"]:
-                    extra = row["kernels"] - fp32["kernels"]
-                    row["kernels_per_layer"] = round(extra / row["float8_layers"], 1)
-                pair[library] = row
-            if "loss" in pair.get("torchao", {}) and "loss" in pair["mixprec"]:
-                pair["mixprec"]["vs_torchao"] = pair["mixprec"]["loss"] - pair["torchao"]["loss"]
-            for row in pair.values():
+                for key in ("kernels", "eager_ops", "eager_calls"):
+                    if key in row and key in fp32 and row["float8_layers"]:
+                        extra = row[key] - fp32[key]
+                        row[f"{key}_per_layer"] = round(extra / row["float8_layers"], 1)
+                group[library] = row
+            ours = group.get("mixprec-same-layers", group["mixprec"])
+            if "loss" in group.get("torchao", {}) and "loss" in ours:
+                ours["vs_torchao"] = ours["loss"] - group["torchao"]["loss"]
+            for row in group.values():
                 rows.append(row)
                 log(_line(row))
     return {
@@ -267,20 +313,26 @@ def run(models: list[str], recipes: list[str], steps: int, compiled: bool = True
 
 def _line(row: dict[str, Any]) -> str:
     keys = ("float8_layers", "kernels", "kernels_per_layer", "graph_breaks", "recompiles",
-            "eager_ops", "loss", "seconds", "missing")  # fmt: skip
+            "eager_ops", "eager_calls", "loss", "seconds", "missing")  # fmt: skip
     shown = " ".join(f"{k}={row[k]}" for k in keys if k in row)
-    return f"{row['model']:6} {row['recipe']:18} {row['library']:8} {shown}"
+    return f"{row['model']:6} {row['recipe']:18} {row['library']:19} {shown}"
 
 
 def _cell(row: dict[str, Any], key: str, fmt: str = "{}") -> str:
     return fmt.format(row[key]) if key in row else "-"
 
 
+def _with_per_layer(row: dict[str, Any], key: str) -> str:
+    per_layer = f" ({row[key + '_per_layer']})" if key + "_per_layer" in row else ""
+    return f"{_cell(row, key)}{per_layer}"
+
+
 def render(doc: dict[str, Any]) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| model | recipe | library | float8 layers | kernels | kernels per float8 layer "
-        "| graph breaks | recompiles | eager aten ops | loss | vs float32 | vs torchao |",
+        "| model | recipe | library | float8 layers | kernels (per float8 layer) "
+        "| graph breaks | recompiles | eager aten ops (per layer) "
+        "| eager kernel calls (per layer) | loss | vs float32 | vs torchao |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in doc["rows"]:
@@ -289,15 +341,14 @@ def render(doc: dict[str, Any]) -> str:
                          f"not in this version: {row['missing']} |||||||||")  # fmt: skip
             continue
         layers = str(row["float8_layers"])
-        if row["model"] == "gpt2" and row["library"] == "torchao":
-            layers += " (no Conv1D)"
-        elif row["model"] == "gpt2" and row["library"] == "mixprec":
-            layers += " (Conv1D too)"
+        if row["model"] == "gpt2" and row["library"] != "float32":
+            layers += " (Conv1D too)" if row["library"] == "mixprec" else " (no Conv1D)"
+
         lines.append(
             f"| {row['model']} | {row['recipe']} | {row['library']} | {layers} | "
-            f"{_cell(row, 'kernels')} | {_cell(row, 'kernels_per_layer')} | "
-            f"{_cell(row, 'graph_breaks')} | "
-            f"{_cell(row, 'recompiles')} | {row['eager_ops']} | {row['loss']:.4f} | "
+            f"{_with_per_layer(row, 'kernels')} | {_cell(row, 'graph_breaks')} | "
+            f"{_cell(row, 'recompiles')} | {_with_per_layer(row, 'eager_ops')} | "
+            f"{_with_per_layer(row, 'eager_calls')} | {row['loss']:.4f} | "
             f"{_cell(row, 'vs_fp32', '{:+.4f}')} | {_cell(row, 'vs_torchao', '{:+.4f}')} |"
         )
     return "\n".join(lines) + "\n"

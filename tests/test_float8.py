@@ -347,6 +347,28 @@ def test_a_model_wide_low_precision_cast_leaves_the_scaling_state_float32():
         assert torch.equal(model.state_dict()[key], value), key
 
 
+@pytest.mark.parametrize("recipe", ["dynamic", "delayed", "rowwise"])
+def test_a_cast_writes_the_buffer_the_scaling_holds_now(recipe):
+    # Eager casts write through views of the state buffer kept between casts; whatever
+    # replaces the buffer (a copy, .to(), _apply, a functional call's swap) gets its own.
+    scaling = make_scaling(recipe, "e4m3")
+    scaling.cast(torch.full((2, 4), 2.0))
+    twin = copy.deepcopy(scaling)
+    twin.cast(torch.full((2, 4), 8.0))
+    assert float(twin.amax) == 8.0 and float(scaling.amax) == 2.0
+    old, old_bits = scaling._state_bits, scaling._state_bits.clone()
+    scaling._apply(lambda t: t.clone())  # what .to(device) does to every buffer
+    assert scaling._state_bits is not old
+    scaling.cast(torch.full((2, 4), 4.0))
+    assert float(scaling.amax) == 4.0 and torch.equal(old, old_bits)
+    with torch.nn.utils.stateless._reparametrize_module(scaling, {"_state_bits": old}):
+        scaling.cast(torch.full((2, 4), 16.0))  # a functional call's swap of the buffer
+        assert float(scaling.amax) == 16.0
+    assert float(scaling.amax) == 4.0 and not torch.equal(old, old_bits)
+    scaling.cast(torch.full((2, 4), 0.5))
+    assert float(scaling.amax) == 0.5 and int(scaling.overflows) == 0
+
+
 # -- convert_to_float8 ---------------------------------------------------------------------
 
 

@@ -71,6 +71,18 @@ def _probe(device_type: str) -> bool:
     return True
 
 
+def _rowwise_scale(scale: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """``scale`` as ``torch._scaled_mm``'s rowwise mode takes it: ``(rows, columns)`` (one of
+    them 1) with row-major strides. A scale given so is passed as is (eagerly each view
+    is a dispatch); a transposed one is rewritten (a transposed ``(1, M)`` has the shape
+    but not the strides) and a single value is spread over the rows (columns)."""
+    if scale.shape == (rows, columns) and scale.stride() == (columns, 1):
+        return scale
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(rows, columns).contiguous()
+    return scale.flatten().view(rows, columns)
+
+
 def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -100,10 +112,7 @@ def scaled_mm(
     """
     if native_scaled_mm(a.device.type):
         if scale_a.numel() != 1 or scale_b.numel() != 1:
-            # Rowwise mode takes a (M, 1) and a (1, N) scale, both with unit strides (a
-            # transposed (1, M) is not: flatten rewrites its strides); a single scale
-            # beside per-row ones is spread over its rows (columns).
-            scale_a = scale_a.flatten().unsqueeze(1).expand(a.shape[0], 1).contiguous()
-            scale_b = scale_b.flatten().unsqueeze(0).expand(1, b.shape[1]).contiguous()
+            scale_a = _rowwise_scale(scale_a, a.shape[0], 1)
+            scale_b = _rowwise_scale(scale_b, 1, b.shape[1])
         return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     return (a.float() @ b.float() * (scale_a * scale_b)).to(out_dtype)

@@ -57,7 +57,7 @@ True
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -68,6 +68,16 @@ from mixprec.float8._scaling import RECIPES, DynamicScaling, Float8Scaling
 #: ``torch._scaled_mm`` on GPUs needs the contracted dimension to be a multiple of this;
 #: the token dimension, contracted in ``grad_W``, is padded to it with zeros.
 _TOKEN_ALIGNMENT = 16
+
+
+class _RowwiseCast(NamedTuple):
+    """One rowwise cast: the float8 ``data``, and per slice its ``inv_scale``, ``amax`` and
+    ``scale``."""
+
+    data: torch.Tensor
+    inv_scale: torch.Tensor
+    amax: torch.Tensor
+    scale: torch.Tensor
 
 
 class RowwiseScaling(DynamicScaling):
@@ -119,10 +129,9 @@ class RowwiseScaling(DynamicScaling):
                 "larger eps (e.g. 1e-12)"
             )
 
-    def _cast_along(self, x: torch.Tensor, dim: int | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``(data, inv_scale, amax)`` of a 2-D ``x`` cast with a scale per slice along
-        ``dim`` (``None``: one scale); ``inv_scale`` and ``amax`` keep ``dim`` as size 1."""
+    def _cast_along(self, x: torch.Tensor, dim: int | None) -> _RowwiseCast:
+        """A 2-D ``x`` cast with a scale per slice along ``dim`` (``None``: one scale); the
+        scales and amaxes keep ``dim`` as size 1."""
         if x.numel():  # the inf-norm is max(|x|) in one op
             amax = torch.linalg.vector_norm(x, math.inf, dim=dim, keepdim=dim is not None,
                                             dtype=torch.float32)  # fmt: skip
@@ -135,20 +144,19 @@ class RowwiseScaling(DynamicScaling):
         # No test for non-finite rows (class docstring): inf * 0 and NaN stay NaN through
         # the clamp and the cast.
         data = (x.float() * scale).clamp(-self.fp8_max, self.fp8_max).to(self.fp8_dtype)
-        return data, scale.reciprocal(), amax
+        return _RowwiseCast(data, scale.reciprocal(), amax, scale)
 
-    def _note(self, amax: torch.Tensor, inv_scale: torch.Tensor) -> None:
-        """Record a cast's statistics for the tensor as a whole (no host sync)."""
-        if amax.numel():
-            largest_inv = inv_scale.amax()  # the smallest scale: that of the amax's row
-            # NaN and inf propagate through the max: an overflow shows as such.
-            self._store(largest_inv.reciprocal(), largest_inv, amax.amax())
+    def _note(self, cast: _RowwiseCast) -> None:
+        """Record a cast's statistics for the tensor as a whole (no host sync): the largest
+        amax and the smallest scale (that of the amax's row)."""
+        if cast.amax.numel():  # NaN and inf propagate: an overflow shows as such
+            self._store(cast.scale.amin(), cast.amax.amax())
 
     def _cast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-        data, inv_scale, amax = self._cast_along(rows, -1)
-        self._note(amax, inv_scale)
-        return data.reshape(x.shape), inv_scale
+        cast = self._cast_along(rows, -1)
+        self._note(cast)
+        return cast.data.reshape(x.shape), cast.inv_scale
 
     def cast(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(data, inv_scale)``: ``x`` in float8 with a scale per row (over the last
@@ -209,26 +217,27 @@ class _RowwiseMatmul(torch.autograd.Function):
                 weight_scaling: RowwiseScaling, grad_scaling: RowwiseScaling,
                 out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         # Autograd records nothing inside forward and backward: no detach is needed.
-        x8, x_inv, x_amax = input_scaling._cast_along(x, -1)
-        w8, w_inv, w_amax = weight_scaling._cast_along(weight, -1)
-        input_scaling._note(x_amax, x_inv)
-        weight_scaling._note(w_amax, w_inv)
+        xr = input_scaling._cast_along(x, -1)
+        wr = weight_scaling._cast_along(weight, -1)
+        input_scaling._note(xr)
+        weight_scaling._note(wr)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         hp = grad_scaling.grad_weight_hp
         saved: list[torch.Tensor | None] = [None, None, None, None]
         if need_x:  # W for grad_x = g @ W: a scale per column of W (one, with gw_hp)
-            wc8, wc_inv, _ = weight_scaling._cast_along(weight, None if hp else 0)
-            saved[0:2] = wc8.t().contiguous(), wc_inv
+            wc = weight_scaling._cast_along(weight, None if hp else 0)
+            saved[0:2] = wc.data.t().contiguous(), wc.inv_scale
         if need_w:  # x for grad_W = g^T @ x: a scale per column of x (none, with gw_hp)
             if hp:
                 saved[2] = x
             else:
-                xc8, xc_inv, _ = input_scaling._cast_along(x, 0)
-                saved[2:4] = _pad_tokens(xc8).t().contiguous(), xc_inv
+                xc = input_scaling._cast_along(x, 0)
+                saved[2:4] = _pad_tokens(xc.data).t().contiguous(), xc.inv_scale
         ctx.save_for_backward(*saved)
         ctx.grad_scaling = grad_scaling
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        return scaled_mm(x8, w8.contiguous().t(), x_inv, w_inv.t(), out_dtype)
+        w8 = wr.data.contiguous().t()
+        return scaled_mm(xr.data, w8, xr.inv_scale, wr.inv_scale.view(1, -1), out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -238,19 +247,19 @@ class _RowwiseMatmul(torch.autograd.Function):
         grad_x = grad_w = None
         noted = False
         if w_for_gx is not None:  # grad_x = g @ W, g with a scale per row
-            g8, g_inv, g_amax = scaling._cast_along(g, -1)
-            scaling._note(g_amax, g_inv)
+            gr = scaling._cast_along(g, -1)
+            scaling._note(gr)
             noted = True
-            grad_x = scaled_mm(g8, w_for_gx.t(), g_inv, w_inv, ctx.x_dtype)
+            grad_x = scaled_mm(gr.data, w_for_gx.t(), gr.inv_scale, w_inv, ctx.x_dtype)
         if x_for_gw is not None and scaling.grad_weight_hp:  # grad_W = g^T @ x, unscaled
             dtype = torch.promote_types(g.dtype, x_for_gw.dtype)
             grad_w = (g.to(dtype).t() @ x_for_gw.to(dtype)).to(ctx.w_dtype)
         elif x_for_gw is not None:  # grad_W = g^T @ x, g with a scale per column
-            gc8, gc_inv, gc_amax = scaling._cast_along(g, 0)
+            gc = scaling._cast_along(g, 0)
             if not noted:
-                scaling._note(gc_amax, gc_inv)
-            gc8t = _pad_tokens(gc8).t().contiguous()
-            grad_w = scaled_mm(gc8t, x_for_gw.t(), gc_inv.t(), x_inv, ctx.w_dtype)
+                scaling._note(gc)
+            gc8t = _pad_tokens(gc.data).t().contiguous()
+            grad_w = scaled_mm(gc8t, x_for_gw.t(), gc.inv_scale.view(-1, 1), x_inv, ctx.w_dtype)
         return grad_x, grad_w, None, None, None, None
 
 

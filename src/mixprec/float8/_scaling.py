@@ -28,7 +28,7 @@ import abc
 import inspect
 import math
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -46,8 +46,10 @@ from mixprec._checks import (
 # an integer below float32's 2**24 (the largest run of exactly representable integers).
 # The four values every cast rewrites come first, so that an eager cast writes them with
 # one op (a ``torch.stack`` into the vector's head).
-_SCALE, _INV_SCALE, _AMAX, _OVERFLOWS, _SATURATED, _NUMEL = 0, 1, 2, 3, 4, 6
-_HEAD = _OVERFLOWS + 1
+_SCALE, _AMAX, _OVERFLOWS, _INV_SCALE, _SATURATED, _NUMEL = 0, 1, 2, 3, 4, 6
+# The statistics every cast records (scale, amax, overflows; a rowwise cast writes only
+# these), then the head a tensorwise cast writes: those and the inverse scale.
+_STATS, _HEAD = _OVERFLOWS + 1, _INV_SCALE + 1
 _SLOTS = 8  # recipe state (the delayed history) follows
 _COUNT_BASE = 2**24
 
@@ -72,6 +74,16 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     if not x.numel():  # an empty reduction has no max; nothing is cast anyway
         return x.new_zeros((), dtype=torch.float32)
     return torch.linalg.vector_norm(x, math.inf, dtype=torch.float32)
+
+
+class _StateViews(NamedTuple):
+    """A scaling's state vector (``state``), the slots every cast records (``stats``), those
+    a tensorwise cast writes (``head``), and each slot (``slots``), as views of its buffer."""
+
+    state: torch.Tensor
+    stats: torch.Tensor
+    head: torch.Tensor
+    slots: tuple[torch.Tensor, ...]
 
 
 class Float8Scaling(nn.Module, abc.ABC):
@@ -145,15 +157,20 @@ class Float8Scaling(nn.Module, abc.ABC):
     @property
     def state(self) -> torch.Tensor:
         """Every value the scaling keeps, as one float32 vector (a view of its buffer)."""
-        bits = self._state_bits
         if torch.compiler.is_compiling():
-            return bits.view(torch.float32)
-        # Eagerly a view is a dispatch, once per cast: the view is kept with the buffer it
-        # views, and made again when the buffer is replaced (``.to()``, ``_apply``).
-        cached = self.__dict__.get("_state_view")
+            return self._state_bits.view(torch.float32)
+        return self._eager_views()[0]
+
+    def _eager_views(self) -> _StateViews:
+        """The views of the buffer an eager cast reads and writes. Eagerly a view is a
+        dispatch: they are kept with the buffer they view, and made again when the buffer
+        is replaced (``.to()``, ``_apply``, a functional call's swap)."""
+        bits = self._state_bits
+        cached = self.__dict__.get("_state_views")
         if cached is None or cached[0] is not bits:
-            cached = (bits, bits.view(torch.float32))
-            self.__dict__["_state_view"] = cached
+            state = bits.view(torch.float32)
+            views = _StateViews(state, state[:_STATS], state[:_HEAD], state.unbind())
+            cached = self.__dict__["_state_views"] = (bits, views)
         return cached[1]
 
     @property
@@ -327,19 +344,22 @@ class Float8Scaling(nn.Module, abc.ABC):
     def _cast_with_amax(self, x: torch.Tensor, amax: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         # ``amax`` is that of ``x``, or of the whole tensor ``x`` is a shard of (all ranks').
-        state = self.state
+        if torch.compiler.is_compiling():
+            state = self.state
+            head, previous = state, state  # a slot is indexed in the graph
+        else:
+            state, _, head, previous = self._eager_views()
         # An amax is >= 0 or NaN, so this is isfinite(amax) in one op (NaN < inf is False).
         finite = amax < math.inf
         candidate, usable = self._candidate(state, amax, finite)
-        previous = state if torch.compiler.is_compiling() else state.unbind()
         scale = torch.where(usable, candidate, previous[_SCALE])
         saturated = None
         if self.clips and torch.compiler.is_compiling():
             saturated = self._saturation_in_amax_pass(x, state, finite)
         data, counted = self._scaled_data(x, scale, count=self.clips and saturated is None)
         saturated = counted if saturated is None else saturated
-        inv_scale = self._write_state(state, previous, scale, candidate, usable, amax, finite,
-                                      saturated, x.numel())  # fmt: skip
+        inv_scale = self._write_state(state, head, previous, scale, candidate, usable, amax,
+                                      finite, saturated, x.numel())  # fmt: skip
         return data, inv_scale
 
     def _scaled_data(self, x: torch.Tensor, scale: torch.Tensor, count: bool
@@ -379,13 +399,14 @@ class Float8Scaling(nn.Module, abc.ABC):
         """
         return None
 
-    def _write_state(self, state: torch.Tensor, previous: Any, scale: torch.Tensor,
-                     candidate: torch.Tensor, usable: torch.Tensor, amax: torch.Tensor,
-                     finite: torch.Tensor, saturated: torch.Tensor | None, numel: int
-                     ) -> torch.Tensor:  # fmt: skip
+    def _write_state(self, state: torch.Tensor, head: torch.Tensor, previous: Any,
+                     scale: torch.Tensor, candidate: torch.Tensor, usable: torch.Tensor,
+                     amax: torch.Tensor, finite: torch.Tensor, saturated: torch.Tensor | None,
+                     numel: int) -> torch.Tensor:  # fmt: skip
         """Record a cast in ``state``; return its inverse scale (``1 / scale``). The
-        saturation count and ``numel`` are recorded where ``saturated`` is given.
-        ``previous`` is ``state``'s slots as the cast found them (eagerly, ``unbind``'s)."""
+        saturation count and ``numel`` are recorded where ``saturated`` is given. Eagerly,
+        ``head`` and ``previous`` are :meth:`_eager_views`' (``previous``: the slots as the
+        cast found them)."""
         if torch.compiler.is_compiling():
             # One elementwise op over the vector in which each slot reads only itself:
             # inductor computes it and writes both the buffer and the inverse scale the
@@ -408,29 +429,29 @@ class Float8Scaling(nn.Module, abc.ABC):
         # the vector. The kept inverse is the reciprocal of the kept scale (both are
         # written together), so this is it.
         inv_scale = scale.reciprocal()
-        head = (scale, inv_scale, amax, previous[_OVERFLOWS] + ~finite)
+        values = (scale, amax, previous[_OVERFLOWS] + ~finite, inv_scale)
         if saturated is None:
-            torch.stack(head, out=state[:_HEAD])
+            torch.stack(values, out=head)
         else:
             high, low = _count_slots(saturated)
             size = (high.new_full((), numel // _COUNT_BASE), high.new_full((), numel % _COUNT_BASE))
-            torch.stack((*head, high, low, *size), out=state[:_SLOTS])
+            torch.stack((*values, high, low, *size), out=state[:_SLOTS])
         self._record(state, amax, finite)
         return inv_scale
 
-    def _store(self, scale: torch.Tensor, inv_scale: torch.Tensor, amax: torch.Tensor) -> None:
-        """Record an eager cast made outside :meth:`_cast_with_amax` (the rowwise casts):
-        its scale and inverse, its amax, and one more overflow if the amax is not finite."""
-        state, finite = self.state, amax < math.inf
+    def _store(self, scale: torch.Tensor, amax: torch.Tensor) -> None:
+        """Record the statistics of a cast made outside :meth:`_cast_with_amax` (a rowwise
+        cast, whose inverse scales are per row, leaves the inverse slot as it is): its
+        scale, its amax, and one more overflow if the amax is not finite."""
+        finite = amax < math.inf
         if torch.compiler.is_compiling():  # one elementwise update, as in _write_state
-            slot = self._slot
+            state, slot = self.state, self._slot
             new = torch.where(slot == _OVERFLOWS, state + ~finite, state)
-            for index, value in ((_SCALE, scale), (_INV_SCALE, inv_scale), (_AMAX, amax)):
-                new = torch.where(slot == index, value, new)
+            new = torch.where(slot == _SCALE, scale, torch.where(slot == _AMAX, amax, new))
             state.copy_(new)
         else:
-            overflows = state.unbind()[_OVERFLOWS] + ~finite
-            torch.stack((scale, inv_scale, amax, overflows), out=state[:_HEAD])
+            _, stats, _, previous = self._eager_views()
+            torch.stack((scale, amax, previous[_OVERFLOWS] + ~finite), out=stats)
 
     def saturated_fraction(self) -> torch.Tensor:
         """The fraction of the last cast's elements that were clipped (a tensor, no sync)."""
