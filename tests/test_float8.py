@@ -5,6 +5,7 @@ plain-Python model of the recipes. Shapes are tiny: float8 matmuls are emulated 
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import pytest
@@ -367,6 +368,13 @@ def test_a_cast_writes_the_buffer_the_scaling_holds_now(recipe):
     assert float(scaling.amax) == 4.0 and not torch.equal(old, old_bits)
     scaling.cast(torch.full((2, 4), 0.5))
     assert float(scaling.amax) == 0.5 and int(scaling.overflows) == 0
+    saved = io.BytesIO()
+    torch.save(scaling, saved)  # the whole module, as torch.save(model) pickles it
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert float(loaded.amax) == 0.5
+    loaded.cast(torch.full((2, 4), 32.0))
+    assert float(loaded.amax) == 32.0 and float(scaling.amax) == 0.5
 
 
 # -- convert_to_float8 ---------------------------------------------------------------------

@@ -161,6 +161,13 @@ class Float8Scaling(nn.Module, abc.ABC):
             return self._state_bits.view(torch.float32)
         return self._eager_views()[0]
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The kept views are not state: a copy or a pickle makes its own (and torch.save
+        # refuses a float32 view beside the int32 buffer it views).
+        state = self.__dict__.copy()
+        state.pop("_state_views", None)
+        return state
+
     def _eager_views(self) -> _StateViews:
         """The views of the buffer an eager cast reads and writes. Eagerly a view is a
         dispatch: they are kept with the buffer they view, and made again when the buffer
