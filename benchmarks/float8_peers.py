@@ -24,6 +24,9 @@ figure                      how it is measured
 ``loss``                    the eager loss after ``--steps`` AdamW steps, from the same weights
                             and batches; ``vs_fp32`` and ``vs_torchao`` are its differences
                             from the float32 run's and torchao's same-recipe run's
+``grad_error``              the first step's gradients against float32's, from the same
+                            weights and batch: ``|g - g32| / |g32|`` over all parameters (one
+                            step's float8 error, free of the drift of ten steps of training)
 ==========================  =====================================================================
 
 Models: ``stack`` (``Linear(256, 1024) -> GELU -> Linear(1024, 256)``), ``block`` (a
@@ -239,6 +242,14 @@ def _eager_figures(model: nn.Module, loss: Callable[[nn.Module, int], torch.Tens
         values[-1].backward()
 
     for step in range(steps):
+        if step == 0:
+            forward_backward(0)
+            figures["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()
+                                if p.grad is not None}  # fmt: skip
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(values[-1].detach()))
+            continue
         # Counted after a first step (lazy state exists, as in training): the dispatched
         # ops of the second, the kernel calls of the third.
         if step == 1:
@@ -255,9 +266,11 @@ def _eager_figures(model: nn.Module, loss: Callable[[nn.Module, int], torch.Tens
     return {**figures, "loss": final, "first_loss": losses[0]}
 
 
-def measure(model_name: str, library: str, recipe: str, steps: int,
-            compiled: bool = True) -> dict[str, Any]:  # fmt: skip
-    """One row: the figures of ``library``'s ``recipe`` on ``model_name``."""
+def measure(model_name: str, library: str, recipe: str, steps: int, compiled: bool = True,
+            reference: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One row: the figures of ``library``'s ``recipe`` on ``model_name``; ``reference``:
+    the float32 model's first gradients, by name (without it, the row keeps its own as
+    ``grads``)."""
     row: dict[str, Any] = {"model": model_name, "library": library, "recipe": recipe}
     model, loss = build_model(model_name)
     try:
@@ -267,6 +280,12 @@ def measure(model_name: str, library: str, recipe: str, steps: int,
         return row
     start = time.perf_counter()
     row.update(_eager_figures(model, loss, steps))
+    grads = row.pop("grads")
+    if reference is not None:
+        error = sum(float((grads[n].float() - g).square().sum()) for n, g in reference.items())
+        row["grad_error"] = (error / sum(float(g.square().sum()) for g in reference.values())) ** 0.5
+    else:
+        row["grads"] = grads  # the float32 reference, taken off by run()
     if compiled:
         row.update(_compiled_figures(model, loss))
     row["seconds"] = round(time.perf_counter() - start, 1)
@@ -279,6 +298,7 @@ def run(models: list[str], recipes: list[str], steps: int, compiled: bool = True
     rows = []
     for model_name in models:
         fp32 = measure(model_name, "float32", "float32", steps, compiled)
+        reference = fp32.pop("grads")
         rows.append(fp32)
         log(_line(fp32))
         for recipe in recipes:
@@ -289,7 +309,7 @@ def run(models: list[str], recipes: list[str], steps: int, compiled: bool = True
                 libraries.append("torchao")
             group = {}
             for library in libraries:
-                row = measure(model_name, library, recipe, steps, compiled)
+                row = measure(model_name, library, recipe, steps, compiled, reference)
                 if "loss" in row:
                     row["vs_fp32"] = row["loss"] - fp32["loss"]
                 for key in ("kernels", "eager_ops", "eager_calls"):
@@ -313,7 +333,7 @@ def run(models: list[str], recipes: list[str], steps: int, compiled: bool = True
 
 def _line(row: dict[str, Any]) -> str:
     keys = ("float8_layers", "kernels", "kernels_per_layer", "graph_breaks", "recompiles",
-            "eager_ops", "eager_calls", "loss", "seconds", "missing")  # fmt: skip
+            "eager_ops", "eager_calls", "grad_error", "loss", "seconds", "missing")  # fmt: skip
     shown = " ".join(f"{k}={row[k]}" for k in keys if k in row)
     return f"{row['model']:6} {row['recipe']:18} {row['library']:19} {shown}"
 
@@ -332,13 +352,14 @@ def render(doc: dict[str, Any]) -> str:
     lines = [
         "| model | recipe | library | float8 layers | kernels (per float8 layer) "
         "| graph breaks | recompiles | eager aten ops (per layer) "
-        "| eager kernel calls (per layer) | loss | vs float32 | vs torchao |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| eager kernel calls (per layer) | first gradients vs float32 | loss | vs float32 "
+        "| vs torchao |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in doc["rows"]:
         if "missing" in row:
             lines.append(f"| {row['model']} | {row['recipe']} | {row['library']} | "
-                         f"not in this version: {row['missing']} |||||||||")  # fmt: skip
+                         f"not in this version: {row['missing']} ||||||||||")  # fmt: skip
             continue
         layers = str(row["float8_layers"])
         if row["model"] == "gpt2" and row["library"] != "float32":
@@ -348,7 +369,8 @@ def render(doc: dict[str, Any]) -> str:
             f"| {row['model']} | {row['recipe']} | {row['library']} | {layers} | "
             f"{_with_per_layer(row, 'kernels')} | {_cell(row, 'graph_breaks')} | "
             f"{_cell(row, 'recompiles')} | {_with_per_layer(row, 'eager_ops')} | "
-            f"{_with_per_layer(row, 'eager_calls')} | {row['loss']:.4f} | "
+            f"{_with_per_layer(row, 'eager_calls')} | {_cell(row, 'grad_error', '{:.4e}')} | "
+            f"{row['loss']:.4f} | "
             f"{_cell(row, 'vs_fp32', '{:+.4f}')} | {_cell(row, 'vs_torchao', '{:+.4f}')} |"
         )
     return "\n".join(lines) + "\n"
