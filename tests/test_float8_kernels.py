@@ -66,6 +66,22 @@ def test_compiled_stack_needs_no_more_kernels_than_torchao(recipe, theirs, allow
     assert mixprec_kernels <= torchao_kernels + allowance, (mixprec_kernels, torchao_kernels)
 
 
+@pytest.mark.slow
+def test_a_compiled_conv1d_stack_costs_what_the_linear_stack_costs():
+    # Float8Conv1D casts its (in, out) weight through a transposed view and runs the very
+    # matmuls of a Float8Linear holding W^T: the same kernels, the layouts stored by the
+    # casts' own loops.
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = nn.Sequential(Conv1D(1024, 256), nn.GELU(), Conv1D(256, 1024))
+    assert convert_to_float8(conv, "dynamic").converted == ["0", "2"]
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    linear = stack()
+    convert_to_float8(linear, "dynamic")
+    assert compiled_kernels(conv, x) == compiled_kernels(linear, x)
+
+
 def eager_counts(model_name: str, library: str, recipe: str) -> tuple[int, int]:
     """The benchmark's two eager counts of one forward and backward after a first step (lazy
     state exists, as in training): the ops a dispatch mode sees (torchao's float8 tensor

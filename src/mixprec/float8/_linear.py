@@ -91,15 +91,21 @@ class _Float8Matmul(torch.autograd.Function):
         # ``weight`` and ``w8`` are (out, in), possibly as transposed views (Conv1D, whose
         # storage is (in, out)). The forward reads W column-major (W^T row-major) and
         # the backward W row-major: for nn.Linear the second is the cast itself and the
-        # first one copy, for Conv1D the other way round. Both run the same matmuls.
-        w8t = w8.t()
+        # first one copy. So is it for Conv1D under torch.compile, where both are stores
+        # of the cast's loop; eagerly its cast is the first and the second one copy. Both
+        # layer kinds run the same matmuls.
+        if w8.is_contiguous() or torch.compiler.is_compiling():
+            w8t = w8.contiguous().t()
+            w_for_y = w8t
+        else:
+            w8t = w8.t()
+            w_for_y = w8.contiguous().t()
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ctx.save_for_backward(w8t.contiguous() if need_x else None, w_inv,
                               _transposed(x8) if need_w else None, x_inv)  # fmt: skip
         ctx.grad_scaling = grad_scaling
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        return scaled_mm(x8, w8t if w8.is_contiguous() else w8.contiguous().t(), x_inv, w_inv,
-                         out_dtype)  # fmt: skip
+        return scaled_mm(x8, w_for_y, x_inv, w_inv, out_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
