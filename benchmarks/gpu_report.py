@@ -20,8 +20,11 @@ __all__ = ["MIXPREC_RECIPES", "annotate", "check_targets", "render_markdown"]
 
 #: The recipes that are mixprec's (the rest are torch's own, the anchors).
 MIXPREC_RECIPES = (
-    "O1", "O2", "O3", "rewrite", "autocast+mixprec.GradScaler", "O2+fp8", "lean",
+    "O1", "O2", "O3", "rewrite", "autocast+mixprec.GradScaler", "O2+fp8", "O2+fp8-rowwise",
+    "lean",
 )  # fmt: skip
+#: mixprec's compiled float8 recipes and torchao's they must match in speed.
+FLOAT8_PEERS = (("O2+fp8", "torchao-fp8-tensorwise"), ("O2+fp8-rowwise", "torchao-fp8-rowwise"))
 MFU_AIM = 0.5
 NA_CPU = "n/a on CPU"
 
@@ -118,6 +121,15 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     else:
         speed = anchor["median_s"] / fp8["median_s"]
         targets.append(_target(text, speed >= 1.2, f"{speed:.3f}x"))
+    for ours, theirs in FLOAT8_PEERS:
+        text = f"compile({ours} bf16) >= compile({theirs} bf16) (float8 at torchao's speed)"
+        mine_row = _ok(rows, ours, "bfloat16", "compiled")
+        peer_row = _ok(rows, theirs, "bfloat16", "compiled")
+        if mine_row is None or peer_row is None:
+            targets.append(_target(text, None, "not measured"))
+        else:
+            speed = peer_row["median_s"] / mine_row["median_s"]
+            targets.append(_target(text, speed >= 1.0, f"{speed:.3f}x"))
     measured = [r for r in rows if r.get("status") == "ok"]
     text = f"MFU >= {MFU_AIM:.0%} of the measured bf16 matmul rate (aim)"
     if measured:

@@ -15,6 +15,8 @@ GradScaler``              :data:`EXTRA_RECIPES`: built here, timed by the GPU be
                           ``opt.scale_loss(loss).backward(); opt.step()``
 ``O2+fp8``                O2 with ``fp8=True``: linear layers in float8, dynamic scaling
                           (in :data:`EXTRA_RECIPES`: timed by the GPU benchmark)
+``O2+fp8-rowwise``        the same with ``fp8="rowwise"``: a scale per row (in
+                          :data:`EXTRA_RECIPES`, beside torchao's rowwise recipe)
 ``lean``                  the lean level: O3 with Kahan-compensated updates (in
                           :data:`EXTRA_RECIPES`: timed by the GPU benchmark)
 ``rewrite``               ``model = mixprec.rewrite.rewrite(model, (x,), dtype)``;
@@ -53,7 +55,8 @@ __all__ = [
 
 RECIPES: tuple[str, ...] = ("fp32", "autocast", "autocast+gradscaler", "O1", "O2", "O3", "rewrite")
 #: Recipes :func:`build_recipe` also builds, which the CPU workloads do not time.
-EXTRA_RECIPES: tuple[str, ...] = ("autocast+mixprec.GradScaler", "O2+fp8", "lean")
+EXTRA_RECIPES: tuple[str, ...] = ("autocast+mixprec.GradScaler", "O2+fp8", "O2+fp8-rowwise",
+                                   "lean")  # fmt: skip
 
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -197,11 +200,12 @@ def build_recipe(
         runner = run(model)
         step = _plain_step(runner, inner, device_type, dtype, scaler)
         return Recipe(name, dtype, model, inner, step, _logits(runner, device_type, dtype))
-    if name in ("O1", "O2", "O3", "O2+fp8", "lean"):
+    if name in ("O1", "O2", "O3", "O2+fp8", "O2+fp8-rowwise", "lean"):
         from mixprec import amp
 
         level, _, fp8 = name.partition("+")
-        model, opt = amp.initialize(model, inner, level=level, dtype=dtype, fp8=fp8 == "fp8")
+        recipe = {"": False, "fp8": True, "fp8-rowwise": "rowwise"}[fp8]
+        model, opt = amp.initialize(model, inner, level=level, dtype=dtype, fp8=recipe)
         runner = run(model)
         step = _scaled_step(runner, opt)
         return Recipe(name, dtype, model, opt, step, _logits(runner, device_type, None))

@@ -40,13 +40,15 @@ EAGER = [
     "autocast+mixprec.GradScaler fp16",
     "O2 fp16",
     "O2+fp8 bf16",
+    "O2+fp8-rowwise bf16",
     "lean bf16",
 ]
 # Compiled, the recipes the targets judge lead; float32 goes last.
 COMPILED = [
     f"compile({label})"
     for label in (
-        "autocast bf16", "O2 bf16", "O2+fp8 bf16", "lean bf16", "O3 bf16", "O1 bf16",
+        "autocast bf16", "O2 bf16", "O2+fp8 bf16", "O2+fp8-rowwise bf16", "lean bf16",
+        "O3 bf16", "O1 bf16",
         "rewrite bf16", "autocast+gradscaler fp16", "autocast+mixprec.GradScaler fp16",
         "O2 fp16", "fp32",
     )
@@ -182,8 +184,8 @@ def test_budget_skips_what_would_not_fit():
     with_peers = [j.label for j in gpu.plan_jobs(compile_too=True, peers=True)]
     assert with_peers[: len(EAGER) + len(PEERS)] == EAGER + PEERS
     compiled = with_peers[len(EAGER) + len(PEERS) :]
-    assert compiled[3:5] == ["compile(torchao-fp8-tensorwise bf16)",
-                             "compile(torchao-fp8-rowwise bf16)"]  # beside O2+fp8's
+    assert compiled[2:6] == ["compile(O2+fp8 bf16)", "compile(torchao-fp8-tensorwise bf16)",
+                             "compile(O2+fp8-rowwise bf16)", "compile(torchao-fp8-rowwise bf16)"]
     assert compiled[-1] == "compile(fp32)" and len(compiled) == len(COMPILED) + len(PEERS)
 
 
@@ -243,6 +245,12 @@ def test_targets_compare_each_mixprec_recipe_with_torch_of_the_same_precision_an
         _row("O2 fp16", "O2", "float16", "eager", 1.5, 120.0),  # beats fp16 torch, not bf16
         _row("compile(autocast bf16)", "autocast", "bfloat16", "compiled", 0.8, 100.0),
         _row("compile(O2 bf16)", "O2", "bfloat16", "compiled", 0.85, 70.0),
+        _row("compile(O2+fp8 bf16)", "O2+fp8", "bfloat16", "compiled", 0.9, 70.0),
+        _row("compile(torchao-fp8-tensorwise bf16)", "torchao-fp8-tensorwise", "bfloat16",
+             "compiled", 0.95, 70.0),  # fmt: skip
+        _row("compile(O2+fp8-rowwise bf16)", "O2+fp8-rowwise", "bfloat16", "compiled", 1.0, 70.0),
+        _row("compile(torchao-fp8-rowwise bf16)", "torchao-fp8-rowwise", "bfloat16", "compiled",
+             0.9, 70.0),  # fmt: skip
         {
             "label": "compile(O1 bf16)",
             "recipe": "O1",
@@ -265,6 +273,11 @@ def test_targets_compare_each_mixprec_recipe_with_torch_of_the_same_precision_an
     assert got["compile(O2 bf16) memory < compile(autocast bf16)'s"] == (True, "0.700x")
     best = got["best compiled mixprec recipe >= 1.05x compile(autocast bf16)"]
     assert best == (False, "compile(O2 bf16): 0.941x")
+    fp8 = "compile(O2+fp8 bf16) >= compile(torchao-fp8-tensorwise bf16) (float8 at torchao's speed)"
+    assert got[fp8] == (True, "1.056x")
+    rowwise = ("compile(O2+fp8-rowwise bf16) >= compile(torchao-fp8-rowwise bf16) (float8 at "
+               "torchao's speed)")  # fmt: skip
+    assert got[rowwise] == (False, "0.900x")
     assert got["MFU >= 50% of the measured bf16 matmul rate (aim)"] == (True, "O2 bf16: 55.0%")
     assert not any("compile(O1" in t for t in got)  # a failed recipe has no target row
 
