@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
     from mixprec.train import Model, TrainStep
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
 
 __all__ = [
     "DynamicLossScale",
