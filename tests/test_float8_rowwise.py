@@ -318,3 +318,22 @@ def test_a_bad_option_and_a_mixed_layer_are_refused():
     with pytest.raises(ValueError, match="pass a larger eps"):
         convert_to_float8(model, "rowwise", eps=1e-40)
     assert type(model[0]) is nn.Linear  # nothing changed
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("power_of_2", [True, False])
+def test_a_rowwise_cast_needs_no_clamp_every_row_lands_within_the_float8_range(fp8, power_of_2):
+    # Each row's scale comes from that row's own amax, so x * scale exceeds fp8_max by
+    # float32 rounding at most, which the cast rounds back: the same float8 values as a
+    # clamped cast, and no inf or NaN, over rows whose magnitudes span float32's range.
+    gen = torch.Generator().manual_seed(0)
+    magnitudes = torch.exp2(torch.randint(-30, 120, (4096, 1), generator=gen).float())  # > eps
+    x = torch.randn(4096, 33, generator=gen) * magnitudes
+    x[::7, 5] = x[::7].abs().amax(1) * torch.rand(x[::7].shape[0], generator=gen)  # ties
+    scaling = RowwiseScaling(fp8, power_of_2=power_of_2)
+    cast = scaling._cast_along(x, -1)
+    clamped = (x * cast.scale).clamp(-scaling.fp8_max, scaling.fp8_max).to(scaling.fp8_dtype)
+    assert torch.equal(cast.data.view(torch.uint8), clamped.view(torch.uint8))
+    assert bool(cast.data.float().isfinite().all())
+    if not power_of_2:  # each row's amax lands on fp8_max itself
+        assert bool((cast.data.float().abs().amax(1) == scaling.fp8_max).all())
