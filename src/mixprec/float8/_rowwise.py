@@ -254,7 +254,10 @@ class _RowwiseMatmul(torch.autograd.Function):
             noted = True
             grad_x = scaled_mm(gr.data, w_for_gx.t(), gr.inv_scale, w_inv, ctx.x_dtype)
         if x_for_gw is not None and scaling.grad_weight_hp:  # grad_W = g^T @ x, unscaled
-            dtype = torch.promote_types(g.dtype, x_for_gw.dtype)
+            # promote_types is a dispatched op: asked only where the dtypes differ.
+            dtype = g.dtype
+            if g.dtype != x_for_gw.dtype:
+                dtype = torch.promote_types(g.dtype, x_for_gw.dtype)
             grad_w = (g.to(dtype).t() @ x_for_gw.to(dtype)).to(ctx.w_dtype)
         elif x_for_gw is not None:  # grad_W = g^T @ x, g with a scale per column
             gc = scaling._cast_along(g, 0)
