@@ -20,6 +20,7 @@ from mixprec.float8 import (
     Float8Linear,
     convert_to_float8,
     enable_fsdp_float8_all_gather,
+    precompute_float8_amax_for_fsdp,
 )
 from mixprec.tools import run_on_ranks
 
@@ -188,10 +189,12 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, IN, generator=g), torch.randn(8, IN, generator=g)
 
 
-def train(model: nn.Module, step_batch) -> list[float]:
+def train(model: nn.Module, step_batch, precompute_at=()) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for step in range(STEPS):
+        if step in precompute_at:  # after the previous step, as a training loop calls it
+            precompute_float8_amax_for_fsdp(model)
         x, y = step_batch(step)
         loss = F.mse_loss(model(x), y)
         loss.backward()
@@ -207,7 +210,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t._tensor if isinstance(t, Float8AllGatherWeight) else t).clone()
 
 
-def sharded_run(rank: int, float8_all_gather: bool, param_dtype: torch.dtype | None) -> dict:
+def sharded_run(rank: int, float8_all_gather: bool, param_dtype: torch.dtype | None,
+                precompute_at=()) -> dict:  # fmt: skip
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
@@ -228,7 +232,18 @@ def sharded_run(rank: int, float8_all_gather: bool, param_dtype: torch.dtype | N
         module.set_custom_all_gather(CountingAllGather())
     fully_shard(model, mesh=mesh, mp_policy=policy)
     wrapped = [type(p.to_local()).__name__ for p in model.parameters()]
-    losses = train(model, lambda step: batch(rank, step))
+    all_reduces = []
+    all_reduce = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        all_reduces.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        losses = train(model, lambda step: batch(rank, step), precompute_at)
+    finally:
+        dist.all_reduce = all_reduce
     refused = ""
     try:
         enable_fsdp_float8_all_gather(model)
@@ -242,12 +257,15 @@ def sharded_run(rank: int, float8_all_gather: bool, param_dtype: torch.dtype | N
         "wrapped": wrapped,
         "scale": model[0].weight_scaling.scale.clone(),
         "refused": refused,
+        "all_reduces": all_reduces,
     }
 
 
 def fsdp_float8_checks(rank: int) -> dict:
     runs = {
         "float8": sharded_run(rank, True, None),
+        "precomputed": sharded_run(rank, True, None, precompute_at=range(STEPS)),
+        "precomputed_once": sharded_run(rank, True, None, precompute_at=(0,)),
         "float32": sharded_run(rank, False, None),
         "float8_bf16": sharded_run(rank, True, torch.bfloat16),
         "bf16": sharded_run(rank, False, torch.bfloat16),
@@ -337,3 +355,30 @@ def test_all_gathers_move_one_byte_per_weight_element(ranks):
         assert rank["float8"]["dtypes"] == ["torch.uint8"]  # float8 and float32 mixed: bytes
         assert rank["float32"]["dtypes"] == ["torch.float32"]
         assert "before fully_shard" in rank["float8"]["refused"]
+
+
+@needs_gloo
+@pytest.mark.slow
+def test_precomputed_amaxes_take_one_all_reduce_per_step_and_change_no_bit(ranks):
+    # Without it each gather all-reduces its weight's amax: 2 weights x (forward and
+    # backward gather) x 3 steps. Precomputed after every step: one all-reduce of both
+    # amaxes per step. Precomputed once: the first step's gathers use it, the later steps'
+    # see their shards changed by the optimizer and all-reduce for themselves.
+    for rank in ranks:
+        assert rank["float8"]["all_reduces"] == [1] * (2 * 2 * STEPS)
+        assert rank["precomputed"]["all_reduces"] == [2] * STEPS
+        assert rank["precomputed_once"]["all_reduces"] == [2] + [1] * (2 * 2 * (STEPS - 1))
+        for run in ("precomputed", "precomputed_once"):
+            for got, want in zip(rank[run]["params"], rank["float8"]["params"]):
+                assert torch.equal(got, want), run
+            assert torch.equal(torch.stack(rank[run]["losses"]),
+                               torch.stack(rank["float8"]["losses"]))  # fmt: skip
+
+
+def test_precompute_refuses_a_model_without_sharded_float8_weights():
+    model = nn.Sequential(nn.Linear(32, 32))
+    convert_to_float8(model, fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="no FSDP2-sharded float8 all-gather weight"):
+        precompute_float8_amax_for_fsdp(model)  # not sharded yet
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        precompute_float8_amax_for_fsdp(model[0].weight)

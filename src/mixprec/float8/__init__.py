@@ -34,6 +34,7 @@ from mixprec.float8._fsdp import (
     Float8AllGatherWeight,
     Float8GatheredWeight,
     enable_fsdp_float8_all_gather,
+    precompute_float8_amax_for_fsdp,
 )
 from mixprec.float8._linear import Float8Conv1D, Float8Layer, Float8Linear
 from mixprec.float8._matmul import native_scaled_mm, scaled_mm
@@ -56,6 +57,7 @@ __all__ = [
     "Float8Linear",
     "Float8Conv1D",
     "enable_fsdp_float8_all_gather",
+    "precompute_float8_amax_for_fsdp",
     "Float8AllGatherWeight",
     "Float8GatheredWeight",
     "Float8Scaling",

@@ -150,12 +150,27 @@ class Float8AllGatherWeight(torch.Tensor):
         if shard.shape[0] < rows:  # a short last shard: zeros change neither amax nor data
             shard = nn.functional.pad(shard, (0, 0) * (shard.dim() - 1) + (0, rows - shard.shape[0]))
         shard = shard.detach()
-        amax = tensor_amax(shard)
-        # The max of the shards' amaxes is the weight's amax: the scale, and so every
-        # float8 value, is what the unsharded layer computes.
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        amax = self._precomputed_amax()
+        if amax is None:
+            amax = tensor_amax(shard)
+            # The max of the shards' amaxes is the weight's amax: the scale, and so every
+            # float8 value, is what the unsharded layer computes.
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
         data, inv_scale = scaling._cast_with_amax(shard, amax)
         return (data,), (inv_scale,)
+
+    def _precomputed_amax(self) -> torch.Tensor | None:
+        """The whole weight's amax from :func:`precompute_float8_amax_for_fsdp`, if this
+        shard has not changed since (same tensor, same version: an in-place update such
+        as an optimizer step bumps the version); else ``None``."""
+        kept = self.__dict__.get("_amax_of_version")
+        if kept is None:
+            return None
+        amax, param, version, tensor = kept
+        # The sharded parameter's version: an update reaches this shard through the
+        # parameter's dispatch, below the autograd layer that counts versions, so only the
+        # parameter's own counter moves.
+        return amax if tensor is self._tensor and param._version == version else None
 
     def fsdp_post_all_gather(self, all_gather_outputs: tuple[torch.Tensor, ...], metadata: Any,
                              param_dtype: torch.dtype, *, out: torch.Tensor | None = None
@@ -307,3 +322,51 @@ def enable_fsdp_float8_all_gather(model: nn.Module) -> list[str]:
             if param is not None and id(param) in wrapped:
                 module._parameters[key] = wrapped[id(param)]
     return [name for name, _ in layers]
+
+
+def precompute_float8_amax_for_fsdp(model: nn.Module) -> int:
+    """All-reduce the amax of every float8-gathered weight of ``model`` at once; return
+    how many there are.
+
+    Each float8 all-gather otherwise all-reduces its own weight's amax (one small
+    collective, a rank sync, per weight and gather). Called after ``optimizer.step()``,
+    this takes every local shard's amax in one op and all-reduces them in one
+    collective per mesh; each gather then uses its weight's amax, for the forward's and
+    the backward's gather alike, while the shard stays as it was. A shard changed
+    since (its version counter moved: the next optimizer step) makes its gather
+    all-reduce again, so a missed call costs a collective, never a stale scale. The
+    float8 values are the same either way. ``model`` is converted with
+    ``fsdp_float8_all_gather=True`` and sharded by ``fully_shard`` on one-dimensional
+    meshes; anything else is refused (``ValueError``) before any collective.
+
+    The same role as torchao's ``precompute_float8_dynamic_scale_for_fsdp``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    from torch.distributed.tensor import DTensor  # loaded where used: only FSDP needs it
+
+    groups: dict[Any, list[Any]] = {}  # group -> its sharded DTensor parameters
+    for name, param in model.named_parameters():
+        if not (isinstance(param, DTensor)
+                and isinstance(param._local_tensor, Float8AllGatherWeight)):  # fmt: skip
+            continue
+        if param.device_mesh.ndim != 1:
+            raise ValueError(
+                f"parameter {name!r} is sharded over a {param.device_mesh.ndim}-D mesh; "
+                "precompute_float8_amax_for_fsdp takes one-dimensional meshes only: leave "
+                "the amax to each gather there"
+            )
+        groups.setdefault(param.device_mesh.get_group(), []).append(param)
+    if not groups:
+        raise ValueError(
+            "model has no FSDP2-sharded float8 all-gather weight: convert it with "
+            "convert_to_float8(..., fsdp_float8_all_gather=True), shard it with fully_shard, "
+            "then call this after each optimizer step"
+        )
+    for group, params in groups.items():
+        weights = [param._local_tensor for param in params]
+        amaxes = torch.stack([tensor_amax(weight._tensor.detach()) for weight in weights])
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+        for param, weight, amax in zip(params, weights, amaxes.unbind()):
+            weight._amax_of_version = (amax, param, param._version, weight._tensor)
+    return sum(len(params) for params in groups.values())
