@@ -164,7 +164,7 @@ class Float8Scaling(nn.Module, abc.ABC):
     def __getstate__(self) -> dict[str, Any]:
         # The kept views are not state: a copy or a pickle makes its own (and torch.save
         # refuses a float32 view beside the int32 buffer it views).
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state.pop("_state_views", None)
         return state
 
