@@ -13,15 +13,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gloo import needs_gloo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mixprec.loss_scale import DynamicLossScale, StaticLossScale
 from mixprec.optim import GradScaler, LossScaleOptimizer
 from mixprec.tools import HostSyncCounter, run_on_ranks
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
+pytestmark = needs_gloo
 
 STEPS, BAD_STEP = 5, 2  # at BAD_STEP, rank 1 alone finds an inf in its gradient
 

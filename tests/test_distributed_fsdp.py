@@ -13,14 +13,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gloo import needs_gloo
 
 from mixprec.loss_scale import DynamicLossScale
 from mixprec.optim import LossScaleOptimizer
 from mixprec.tools import run_on_ranks
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
+pytestmark = needs_gloo
 
 STEPS, BAD_STEP = 5, 2  # at BAD_STEP one rank's shard of the gradients holds an inf
 CASES = {  # name: (parameter dtype, LossScaleOptimizer options)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo import needs_gloo
 
 from mixprec.cli import main
 from mixprec.tools import free_port, run_on_ranks
@@ -27,9 +28,7 @@ from mixprec.train._distributed import (
 )
 from mixprec.train.data import train_val_test_loaders
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
+pytestmark = needs_gloo
 
 FAST = ["--model", "mlp", "--quiet", "--threads", "1"]
 #: What a run folder holds (docs/guides/cli.md): these files and ``checkpoints/``.

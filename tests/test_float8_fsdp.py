@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from gloo import needs_gloo
 from torch import nn
 
 from mixprec.float8 import (
@@ -23,10 +24,6 @@ from mixprec.float8 import (
     precompute_float8_amax_for_fsdp,
 )
 from mixprec.tools import run_on_ranks
-
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
 
 
 @pytest.fixture

@@ -28,8 +28,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from gloo import needs_gloo
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -298,9 +298,7 @@ def ddp_rank(rank: int, device: str) -> dict:
     return ddp_training(device, rank)
 
 
-@pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
+@needs_gloo
 @pytest.mark.parametrize("device", DEVICES)
 def test_ddp_ranks_skip_together_and_match_one_process(device):
     ranks = run_on_ranks(ddp_rank, device, world_size=2, timeout=240)
